@@ -1,0 +1,1 @@
+"""Sans-I/O wire protocol: no asyncio, starlette or torch here."""

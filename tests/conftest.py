@@ -1,0 +1,20 @@
+"""Shared test configuration: GPU tests skip cleanly off the device, CPU threads stay bounded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores in CI; tests are sized for that. Keep torch from oversubscribing.
+torch.set_num_threads(int(os.environ.get("REALTIME_TEST_THREADS", "2")))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the device with -m gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
