@@ -1,0 +1,334 @@
+"""Llama-style decoder stack shared by the text engine and the CSM backbone / depth decoder.
+
+One implementation of pre-norm decoder layers (RMSNorm -> GQA attention with half-rotation RoPE
+-> RMSNorm -> SwiGLU MLP) plus the final RMSNorm. No embedding and no LM head: callers own those.
+
+Submodule names equal Hugging Face Llama/Qwen3 so their state dicts load without renaming.
+The KV cache is preallocated with a fixed shape and written at explicit positions, so rows of a
+batch may sit at different positions (continuous batching) and the forward pass is free of
+data-dependent Python control flow (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
+
+__all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm"]
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF rope dict without rope_theta, e.g. {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None = plain RoPE.
+    rope_scaling: dict | None = None
+    max_seq_len: int = 2048
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.intermediate_size) <= 0:
+            raise ConfigError(f"transformer sizes must be positive: {self}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "TransformerConfig":
+        """Build from a HF config dict (LlamaConfig, Qwen3Config, CsmConfig, CsmDepthDecoderConfig).
+
+        Accepts both the transformers>=5 ``rope_parameters`` dict and the older ``rope_theta`` +
+        ``rope_scaling`` pair.
+        """
+        hf = dict(hf)
+        try:
+            dim = int(hf["hidden_size"])
+            n_heads = int(hf["num_attention_heads"])
+            n_layers = int(hf["num_hidden_layers"])
+            inter = int(hf["intermediate_size"])
+        except KeyError as e:
+            raise ConfigError(f"HF config lacks {e.args[0]!r}") from None
+        n_kv = int(hf.get("num_key_value_heads") or n_heads)
+        head_dim = int(hf.get("head_dim") or dim // n_heads)
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedError(f"hidden_act={act!r} is not supported (only silu)")
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        if not rope and hf.get("rope_scaling"):
+            rope = dict(hf["rope_scaling"])
+        rope.pop("rope_theta", None)
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedError("partial_rotary_factor != 1 is not supported")
+        rope.pop("partial_rotary_factor", None)
+        scaling = None if rtype in (None, "default") else {**rope, "rope_type": rtype}
+        model_type = hf.get("model_type", "")
+        return cls(
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            rms_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+            qk_norm=model_type.startswith("qwen3"),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+        )
+
+
+def rope_frequencies(cfg: TransformerConfig, device: torch.device | str | None = None) -> Tensor:
+    """Inverse RoPE frequencies [D/2] in float32, computed exactly as transformers does."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    rtype = sc.get("rope_type", sc.get("type"))
+    if rtype == "linear":
+        return inv_freq / float(sc["factor"])
+    if rtype == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_len = float(sc["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise UnsupportedError(f"rope_type={rtype!r} is not supported (default, linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; statistics in float32 like HF, weight applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class KVCache:
+    """Preallocated per-slot K/V: k, v [n_layers, n_slots, n_kv_heads, max_seq_len, head_dim].
+
+    A slot is one sequence (session). Positions are absolute; the forward pass writes them at
+    explicit indices and masks keys beyond each query's position, so stale data past the current
+    position is never read. ``reset`` zeroes slots anyway so NaN/inf from an aborted run cannot leak
+    through a 0-weight in attention.
+    """
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        n_slots: int,
+        max_seq_len: int | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if n_slots <= 0:
+            raise ConfigError(f"n_slots must be positive, got {n_slots}")
+        self.n_slots = n_slots
+        self.max_seq_len = int(max_seq_len or cfg.max_seq_len)
+        shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, self.max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Key positions, used to build the attention mask without reallocating each step.
+        self.key_pos = torch.arange(self.max_seq_len, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    def reset(self, slots: Tensor | list[int]) -> None:
+        """Forget the given slots (zeroed in place; no reallocation)."""
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        self.k[:, idx] = 0
+        self.v[:, idx] = 0
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.dim, hkv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.dim, hkv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.dim, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        layer: int,
+        cache: KVCache | None,
+        slots: Tensor | None,
+        pos: Tensor,
+    ) -> Tensor:
+        """x [B, T, dim]; cos/sin [B, 1, T, D]; mask [B, 1, T, S] bool or None (causal) -> [B, T, dim]."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, cfg.n_heads, cfg.head_dim)
+        k = self.k_proj(x).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        k = k.transpose(1, 2)
+        v = v.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            assert slots is not None
+            # Advanced indices [B,1] and [B,T] separated by a slice: the indexed view is [B, T, Hkv, D].
+            cache.k[layer, slots[:, None], :, pos] = k.transpose(1, 2).to(cache.dtype)
+            cache.v[layer, slots[:, None], :, pos] = v.transpose(1, 2).to(cache.dtype)
+            k = cache.k[layer, slots].to(q.dtype)  # [B, Hkv, S, D]
+            v = cache.v[layer, slots].to(q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.n_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
+
+
+class Transformer(nn.Module):
+    """Decoder layers + final RMSNorm (no embedding, no LM head)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
+        # Non-persistent so HF state dicts (which carry no inv_freq) load strictly.
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    def _apply(self, fn, recurse=True):  # keep inv_freq float32 under .to(bfloat16), like HF
+        inv = self.inv_freq
+        out = super()._apply(fn, recurse)
+        self.inv_freq = inv.to(device=self.norm.weight.device, dtype=torch.float32)
+        return out
+
+    def forward(
+        self,
+        x: Tensor,
+        pos: Tensor,
+        cache: KVCache | None = None,
+        slots: Tensor | None = None,
+    ) -> Tensor:
+        """x [B, T, dim], pos [B, T] absolute positions -> hidden states [B, T, dim] after the final norm.
+
+        With a cache: writes K/V of these T positions into cache[slots] at ``pos`` and attends over
+        cache positions <= each query's position. Without: plain causal attention over the T inputs.
+        """
+        # RoPE angles in float32 regardless of the compute dtype (as HF does), then cast.
+        freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        cos = emb.cos().to(x.dtype)
+        sin = emb.sin().to(x.dtype)
+        mask = None
+        if cache is not None:
+            if slots is None:
+                raise ConfigError("Transformer.forward: a cache needs slots")
+            mask = (cache.key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        for i, layer in enumerate(self.layers):
+            h = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, i, cache, slots, pos)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def load_hf_state_dict(self, sd: Mapping[str, Tensor], prefix: str) -> None:
+        """Load from an HF state dict whose stack lives under ``prefix`` (e.g. "model.").
+
+        Only keys under ``prefix + "layers."`` and ``prefix + "norm."`` belong to this module (the
+        caller's embedding etc. under the same prefix are ignored). Strict on those: missing,
+        unexpected or shape-mismatched keys raise ModelFormatError naming them.
+        """
+        own = self.state_dict()
+        theirs = {
+            k[len(prefix):]: v
+            for k, v in sd.items()
+            if k.startswith(prefix + "layers.") or k.startswith(prefix + "norm.")
+        }
+        missing = sorted(set(own) - set(theirs))
+        unexpected = sorted(set(theirs) - set(own))
+        bad_shape = [
+            f"{k}: {tuple(theirs[k].shape)} vs {tuple(own[k].shape)}"
+            for k in own
+            if k in theirs and tuple(theirs[k].shape) != tuple(own[k].shape)
+        ]
+        if missing or unexpected or bad_shape:
+            parts = []
+            if missing:
+                parts.append("missing: " + ", ".join(prefix + k for k in missing[:20]))
+            if unexpected:
+                parts.append("unexpected: " + ", ".join(prefix + k for k in unexpected[:20]))
+            if bad_shape:
+                parts.append("shape mismatch: " + "; ".join(bad_shape[:20]))
+            raise ModelFormatError("transformer weights do not match the config (" + " | ".join(parts) + ")")
+        with torch.no_grad():
+            for k, p in own.items():
+                p.copy_(theirs[k])
