@@ -1,0 +1,592 @@
+"""CSM-1B (Sesame Conversational Speech Model): dual-autoregressive text-to-speech over Mimi codes.
+
+Two Llama-style stacks (the shared ``engines/transformer.py``):
+
+* the backbone reads one embedding per position -- a text token, or one audio frame as the sum of
+  its K codebook embeddings -- and its last hidden state predicts codebook 0 (``lm_head``);
+* the depth decoder, run afresh for every frame over positions 0..K-1, reads
+  [backbone hidden, embed(c0), ..., embed(c_{K-2})] (projected to its width) and predicts
+  codebook k at position k with its own head ``codebooks_head[k-1]``.
+
+The frame's K codes then feed the next backbone step. Generation stops at the frame whose K
+codes are all ``codebook_eos_token_id`` (0): the rule of Sesame's reference generator. (HF's
+``generate`` stops when codebooks 0..K-2 are 0, ignoring the last one, and keeps that frame in its
+output; HF's own audio decoding then cuts at the first frame where all K are 0, as we do.)
+
+Checkpoints are HF folders written by ``CsmForConditionalGeneration.save_pretrained`` (the layout
+of the public ``sesame/csm-1b`` repo): ``config.json`` + ``model.safetensors`` (or a sharded index)
+[+ ``tokenizer.json``]. The Mimi codec weights stored under ``codec_model.`` are ignored here
+(``realtime.codecs.mimi`` owns the codec).
+
+Continuous batching: ``new_batch`` allocates static KV caches for ``n_slots`` sessions;
+``prefill`` fills one slot from a prompt; ``step`` produces one frame for any set of slots in one
+batched backbone step and K-1 batched depth steps; ``CSMBatchState.reset`` frees slots for reuse.
+Letters: B batch rows, T time (positions), K codebooks, V audio vocab, D backbone width,
+Dd depth width.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from realtime.engines.sampling import sample
+from realtime.engines.transformer import KVCache, Transformer, TransformerConfig
+from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
+
+__all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM"]
+
+# Llama 3 special-token ids, used only when the checkpoint folder has no tokenizer.json.
+_LLAMA3_BEGIN_OF_TEXT = 128000
+_LLAMA3_END_OF_TEXT = 128001
+_BOS_TEXT = "<|begin_of_text|>"
+_EOS_TEXT = "<|end_of_text|>"
+
+
+@dataclass(frozen=True)
+class CSMConfig:
+    """Everything the engine needs from a CSM ``config.json``."""
+
+    backbone: TransformerConfig
+    depth: TransformerConfig
+    num_codebooks: int = 32  # K
+    audio_vocab_size: int = 2051  # V, per codebook (2048 Mimi codes + pad/eos slack)
+    text_vocab_size: int = 128256
+    bos_token_id: int = _LLAMA3_BEGIN_OF_TEXT
+    end_of_text_token_id: int = _LLAMA3_END_OF_TEXT
+    audio_token_id: int = 128002  # <|AUDIO|>: one per context audio frame
+    audio_eos_token_id: int = 128003  # <|audio_eos|>: closes a context audio turn (embedded as the EOS frame)
+    codebook_eos_token_id: int = 0
+    codebook_pad_token_id: int = 2050
+    tie_codebooks_embeddings: bool = True
+    frame_rate: float = 12.5  # Mimi frames per second
+
+    def __post_init__(self) -> None:
+        if self.num_codebooks < 2:
+            raise ConfigError(f"CSM needs at least 2 codebooks, config has num_codebooks={self.num_codebooks}")
+        if self.audio_vocab_size <= 0 or self.text_vocab_size <= 0:
+            raise ConfigError("CSM vocab sizes must be positive")
+        if not 0 <= self.codebook_eos_token_id < self.audio_vocab_size:
+            raise ConfigError(f"codebook_eos_token_id={self.codebook_eos_token_id} outside the audio vocab")
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "CSMConfig":
+        """From a CsmConfig dict (``config.json``); raises ConfigError on anything inconsistent."""
+        if hf.get("model_type") != "csm":
+            raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}, expected 'csm'")
+        dd = hf.get("depth_decoder_config")
+        if not isinstance(dd, Mapping):
+            raise ConfigError("config.json lacks depth_decoder_config")
+        try:
+            k = int(hf["num_codebooks"])
+            v = int(hf["vocab_size"])
+            text_v = int(hf["text_vocab_size"])
+            d_model = int(hf["hidden_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"config.json lacks or has a bad {e.args[0]!r}") from None
+        backbone = TransformerConfig.from_hf(hf)
+        depth = TransformerConfig.from_hf(dd)
+        if int(dd.get("num_codebooks", k)) != k:
+            raise ConfigError(f"depth decoder num_codebooks={dd.get('num_codebooks')} != backbone {k}")
+        if int(dd.get("vocab_size", v)) != v:
+            raise ConfigError(f"depth decoder vocab_size={dd.get('vocab_size')} != backbone {v}")
+        if int(dd.get("backbone_hidden_size", d_model)) != d_model:
+            raise ConfigError(f"depth decoder backbone_hidden_size={dd.get('backbone_hidden_size')} != hidden_size {d_model}")
+        eos = hf.get("codebook_eos_token_id", 0)
+        if isinstance(eos, list):
+            if len(set(eos)) != 1:
+                raise UnsupportedError("per-codebook codebook_eos_token_id lists are not supported")
+            eos = eos[0]
+        end_text = hf.get("eos_token_id")
+        if isinstance(end_text, list):
+            end_text = end_text[0] if end_text else None
+
+        def _id(name: str, default: int) -> int:
+            val = hf.get(name)
+            return default if val is None else int(val)
+
+        return cls(
+            backbone=backbone,
+            depth=depth,
+            num_codebooks=k,
+            audio_vocab_size=v,
+            text_vocab_size=text_v,
+            bos_token_id=_id("bos_token_id", _LLAMA3_BEGIN_OF_TEXT),
+            end_of_text_token_id=_LLAMA3_END_OF_TEXT if end_text is None else int(end_text),
+            audio_token_id=_id("audio_token_id", 128002),
+            audio_eos_token_id=_id("audio_eos_token_id", 128003),
+            codebook_eos_token_id=int(eos if eos is not None else 0),
+            codebook_pad_token_id=_id("codebook_pad_token_id", v - 1),
+            tie_codebooks_embeddings=bool(hf.get("tie_codebooks_embeddings", True)),
+        )
+
+
+@dataclass(frozen=True)
+class CSMPrompt:
+    """One backbone prompt, position by position (T positions).
+
+    ids [T] long: the text token ids exactly as CsmProcessor builds them (``<|AUDIO|>`` once per
+        context audio frame, ``<|audio_eos|>`` after it); this is also the HF ``input_ids`` row.
+    codes [T, K] long: the audio codes at audio positions (the EOS frame at ``<|audio_eos|>``), 0 elsewhere.
+    is_audio [T] bool: positions embedded as the sum of their K code embeddings instead of as text.
+    """
+
+    ids: Tensor
+    codes: Tensor
+    is_audio: Tensor
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def has_audio(self) -> bool:
+        return bool(self.is_audio.any())
+
+
+class CSMBatchState:
+    """Per-slot generation state for up to ``n_slots`` concurrent sessions (never on the module).
+
+    backbone_cache: KVCache [L, n_slots, Hkv, max_seq_len, D_head]; depth_cache: the same with K positions
+    (rewritten from position 0 for every frame). hidden [n_slots, D]: each slot's last backbone hidden
+    state (what the next frame is predicted from). pos [n_slots]: next backbone position (= tokens in the
+    cache). frames [n_slots]: frames generated so far (sampling step counter). ``lengths`` mirrors ``pos``
+    on the host so capacity checks never sync with the device.
+    """
+
+    def __init__(self, csm: "CSM", n_slots: int, max_seq_len: int) -> None:
+        if n_slots <= 0:
+            raise ConfigError(f"n_slots must be positive, got {n_slots}")
+        if max_seq_len < 2:
+            raise ConfigError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        dev, dt = csm.device, csm.dtype
+        self.n_slots = n_slots
+        self.max_seq_len = max_seq_len
+        self.backbone_cache = KVCache(csm.config.backbone, n_slots, max_seq_len, device=dev, dtype=dt)
+        self.depth_cache = KVCache(csm.config.depth, n_slots, csm.num_codebooks, device=dev, dtype=dt)
+        self.hidden = torch.zeros(n_slots, csm.config.backbone.dim, device=dev, dtype=dt)
+        self.pos = torch.zeros(n_slots, dtype=torch.long, device=dev)
+        self.frames = torch.zeros(n_slots, dtype=torch.long, device=dev)
+        self.lengths = [0] * n_slots
+
+    def reset(self, slots: Tensor | Sequence[int]) -> None:
+        """Forget the given slots so they can be prefilled again (in place, no reallocation)."""
+        idx = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
+        for s in idx.tolist():
+            if not 0 <= s < self.n_slots:
+                raise ConfigError(f"slot {s} outside 0..{self.n_slots - 1}")
+            self.lengths[s] = 0
+        idx = idx.to(self.pos.device)
+        self.backbone_cache.reset(idx)
+        self.depth_cache.reset(idx)
+        self.hidden[idx] = 0
+        self.pos[idx] = 0
+        self.frames[idx] = 0
+
+
+class CSM(nn.Module):
+    """The CSM backbone + depth decoder with their embeddings and heads.
+
+    Parameter names are ours; ``from_pretrained`` maps the HF names onto them.
+    """
+
+    def __init__(self, config: CSMConfig, tokenizer: Any | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tokenizer = tokenizer  # tokenizers.Tokenizer or None
+        k, v = config.num_codebooks, config.audio_vocab_size
+        d, dd = config.backbone.dim, config.depth.dim
+        self.embed_text = nn.Embedding(config.text_vocab_size, d)
+        # All K codebooks in one table at offsets k*V: the backbone embeds a frame as the sum over K; the
+        # depth decoder has its own table of the same shape (one module shared when the weights are equal).
+        self.embed_audio = nn.Embedding(k * v, d)
+        self.depth_embed_audio = nn.Embedding(k * v, d)
+        self.backbone = Transformer(config.backbone)
+        self.lm_head = nn.Linear(d, v, bias=False)  # codebook 0
+        self.depth_projector = nn.Linear(d, dd, bias=False)
+        self.depth = Transformer(config.depth)
+        self.codebooks_head = nn.Parameter(torch.zeros(k - 1, dd, v))  # codebook k uses [k-1]: h @ W
+        self.register_buffer("audio_offsets", torch.arange(k) * v, persistent=False)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_codebooks(self) -> int:
+        return self.config.num_codebooks
+
+    @property
+    def audio_vocab_size(self) -> int:
+        return self.config.audio_vocab_size
+
+    @property
+    def frame_rate(self) -> float:
+        return self.config.frame_rate
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "CSM":
+        """Load an HF CSM checkpoint folder (config.json + model.safetensors [+ tokenizer.json])."""
+        root = Path(path)
+        if not root.is_dir():
+            raise ConfigError(f"CSM checkpoint folder {str(root)!r} does not exist")
+        cfg_path = root / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"CSM checkpoint folder {str(root)!r} has no config.json")
+        try:
+            hf_cfg = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {cfg_path}: {e}") from None
+        if not isinstance(hf_cfg, dict):
+            raise ConfigError(f"{cfg_path} is not a JSON object")
+        config = CSMConfig.from_hf(hf_cfg)
+        tokenizer = None
+        tok_path = root / "tokenizer.json"
+        if tok_path.is_file():
+            from tokenizers import Tokenizer
+
+            try:
+                tokenizer = Tokenizer.from_file(str(tok_path))
+            except Exception as e:  # tokenizers raises a bare Exception on malformed files
+                raise ModelFormatError(f"cannot load {tok_path}: {e}") from None
+        sd = _read_safetensors(root)
+        model = cls(config, tokenizer)
+        model.load_hf_state_dict(sd)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def load_hf_state_dict(self, sd: Mapping[str, Tensor]) -> None:
+        """Take weights from an HF CsmForConditionalGeneration state dict (strict; codec_model.* ignored)."""
+        cfg = self.config
+        sd = {k: t for k, t in sd.items() if not k.startswith("codec_model.")}
+        bb_embed = "backbone_model.embed_tokens.embed_audio_tokens.weight"
+        dd_embed = "depth_decoder.model.embed_tokens.weight"
+        own: dict[str, str] = {  # HF key -> our parameter name
+            "embed_text_tokens.weight": "embed_text.weight",
+            "lm_head.weight": "lm_head.weight",
+            "depth_decoder.model.inputs_embeds_projector.weight": "depth_projector.weight",
+            "depth_decoder.codebooks_head.weight": "codebooks_head",
+            bb_embed: "embed_audio.weight",
+            dd_embed: "depth_embed_audio.weight",
+        }
+        # transformers 5.x does not tie the two codebook tables at run time (CsmConfig forces
+        # tie_word_embeddings=False), so when a folder stores both we use each where HF uses it. A
+        # folder storing only one copy is accepted when config.json declares them tied.
+        missing = [key for key in own if key not in sd]
+        one_table = None
+        if cfg.tie_codebooks_embeddings and missing in ([bb_embed], [dd_embed]):
+            one_table = bb_embed if bb_embed in sd else dd_embed
+            missing = []
+        stacks = ("backbone_model.layers.", "backbone_model.norm.", "depth_decoder.model.layers.", "depth_decoder.model.norm.")
+        unexpected = [key for key in sd if key not in own and not key.startswith(stacks)]
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append("missing: " + ", ".join(missing))
+            if unexpected:
+                parts.append("unexpected: " + ", ".join(sorted(unexpected)[:20]))
+            raise ModelFormatError("CSM checkpoint does not match the CSM layout (" + " | ".join(parts) + ")")
+        if one_table is not None:
+            own[bb_embed] = own[dd_embed] = "embed_audio.weight"
+            sd = {**sd, bb_embed: sd[one_table], dd_embed: sd[one_table]}
+        params = dict(self.named_parameters(remove_duplicate=False))
+        bad = [
+            f"{key}: {tuple(sd[key].shape)} vs expected {tuple(params[name].shape)}"
+            for key, name in own.items()
+            if tuple(sd[key].shape) != tuple(params[name].shape)
+        ]
+        if bad:
+            raise ModelFormatError("CSM checkpoint tensors do not match config.json (" + "; ".join(bad) + ")")
+        # Equal tables (the public checkpoint) share one module: saves K*V*D weights of device memory.
+        if one_table is not None or torch.equal(sd[bb_embed], sd[dd_embed]):
+            self.depth_embed_audio = self.embed_audio
+            own[dd_embed] = "embed_audio.weight"
+        elif self.depth_embed_audio is self.embed_audio:
+            self.depth_embed_audio = nn.Embedding(*self.embed_audio.weight.shape)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        self.backbone.load_hf_state_dict(sd, "backbone_model.")
+        self.depth.load_hf_state_dict(sd, "depth_decoder.model.")
+        with torch.no_grad():
+            for hf_key, name in own.items():
+                params[name].copy_(sd[hf_key])
+
+    # ------------------------------------------------------------------ prompts
+
+    def _special_id(self, text: str, default: int) -> int:
+        if self.tokenizer is not None:
+            tid = self.tokenizer.token_to_id(text)
+            if tid is not None:
+                return int(tid)
+        return default
+
+    def tokenize(self, text: str, speaker: int = 0) -> list[int]:
+        """``<|begin_of_text|>[speaker]text<|end_of_text|>`` as token ids (needs tokenizer.json)."""
+        if self.tokenizer is None:
+            raise ConfigError("this CSM checkpoint has no tokenizer.json; pass token ids instead of text")
+        if speaker < 0:
+            raise UnsupportedError(f"speaker must be >= 0, got {speaker}")
+        body = self.tokenizer.encode(f"[{int(speaker)}]{text}", add_special_tokens=False).ids
+        bos = self._special_id(_BOS_TEXT, self.config.bos_token_id)
+        eos = self._special_id(_EOS_TEXT, self.config.end_of_text_token_id)
+        return [bos, *body, eos]
+
+    def prompt_from_ids(self, input_ids: Tensor) -> CSMPrompt:
+        """A text-only prompt from raw ids [T] or [1, T] (every position embedded as text, like HF
+        ``generate(input_ids)`` without ``input_values``)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).cpu()
+        if ids.numel() == 0:
+            raise UnsupportedError("empty prompt")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.text_vocab_size:
+            raise UnsupportedError(f"token ids must lie in 0..{self.config.text_vocab_size - 1}")
+        t = ids.numel()
+        return CSMPrompt(ids, torch.zeros(t, self.num_codebooks, dtype=torch.long), torch.zeros(t, dtype=torch.bool))
+
+    def build_prompt(
+        self,
+        text: str | Sequence[int],
+        speaker: int = 0,
+        context: Sequence[tuple[int, str | Sequence[int], Tensor | None]] = (),
+    ) -> CSMPrompt:
+        """Prompt for one utterance after optional context turns, as CsmProcessor lays it out.
+
+        Each turn is ``<|begin_of_text|>[speaker]text<|end_of_text|>``; a context turn with audio codes
+        [F, K] adds ``<|AUDIO|>`` x F + ``<|audio_eos|>`` (the voice reference / conversation history).
+        ``text`` may be a string (needs tokenizer.json) or the already tokenised ids of that whole turn.
+        """
+        k = self.num_codebooks
+        ids: list[int] = []
+        codes: list[Tensor] = []
+        audio: list[bool] = []
+
+        def _text(seg: str | Sequence[int], spk: int) -> None:
+            tok = self.tokenize(seg, spk) if isinstance(seg, str) else [int(i) for i in seg]
+            ids.extend(tok)
+            codes.append(torch.zeros(len(tok), k, dtype=torch.long))
+            audio.extend([False] * len(tok))
+
+        for turn in context:
+            if len(turn) != 3:
+                raise UnsupportedError("context turns are (speaker, text, codes[F, K] or None)")
+            spk, seg, frames = turn
+            _text(seg, spk)
+            if frames is None:
+                continue
+            frames = torch.as_tensor(frames, dtype=torch.long).cpu()
+            if frames.ndim != 2 or frames.shape[1] != k or frames.shape[0] == 0:
+                raise UnsupportedError(f"context audio codes must be [frames, {k}], got {tuple(frames.shape)}")
+            if int(frames.min()) < 0 or int(frames.max()) >= self.audio_vocab_size:
+                raise UnsupportedError(f"context audio codes must lie in 0..{self.audio_vocab_size - 1}")
+            f = frames.shape[0]
+            ids.extend([self.config.audio_token_id] * f + [self.config.audio_eos_token_id])
+            codes.append(frames)
+            codes.append(torch.full((1, k), self.config.codebook_eos_token_id, dtype=torch.long))
+            audio.extend([True] * (f + 1))
+        _text(text, speaker)
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        if int(ids_t.min()) < 0 or int(ids_t.max()) >= self.config.text_vocab_size:
+            raise UnsupportedError(f"token ids must lie in 0..{self.config.text_vocab_size - 1}")
+        return CSMPrompt(ids_t, torch.cat(codes), torch.tensor(audio, dtype=torch.bool))
+
+    # ------------------------------------------------------------------ building blocks
+
+    def embed_frames(self, codes: Tensor) -> Tensor:
+        """codes [..., K] -> backbone input embeddings [..., D] (sum of the K codebook embeddings)."""
+        return self.embed_audio(codes + self.audio_offsets).sum(dim=-2)
+
+    def embed_prompt(self, prompt: CSMPrompt) -> Tensor:
+        """prompt (T positions) -> backbone input embeddings [T, D]."""
+        dev = self.device
+        x = self.embed_text(prompt.ids.to(dev))
+        if prompt.has_audio:
+            a = self.embed_frames(prompt.codes.to(dev))
+            x = torch.where(prompt.is_audio.to(dev)[:, None], a, x)
+        return x
+
+    def _depth_input(self, codes: Tensor, codebook: int) -> Tensor:
+        """codes [B] of codebook ``codebook`` -> depth decoder input [B, Dd]."""
+        return self.depth_projector(self.depth_embed_audio(codes + codebook * self.audio_vocab_size))
+
+    @torch.no_grad()
+    def backbone_logits(self, prompt: CSMPrompt | Tensor) -> tuple[Tensor, Tensor]:
+        """Cache-free forward over a whole prompt: (codebook-0 logits [T, V] float32, hidden [T, D])."""
+        if not isinstance(prompt, CSMPrompt):
+            prompt = self.prompt_from_ids(prompt)
+        x = self.embed_prompt(prompt)[None]
+        pos = torch.arange(x.shape[1], device=self.device)[None]
+        h = self.backbone(x, pos)[0]
+        return self.lm_head(h).float(), h
+
+    @torch.no_grad()
+    def depth_logits(self, hidden: Tensor, codes: Tensor) -> Tensor:
+        """Teacher-forced, cache-free depth pass: hidden [B, D], codes [B, K] -> logits [B, K-1, V]
+        (row k-1 predicts codebook k from hidden and codes 0..k-1)."""
+        k = self.num_codebooks
+        b = hidden.shape[0]
+        x = [self.depth_projector(hidden.to(self.dtype))]
+        x += [self._depth_input(codes[:, i], i) for i in range(k - 1)]
+        pos = torch.arange(k, device=self.device)[None].expand(b, k)
+        h = self.depth(torch.stack(x, dim=1), pos)  # [B, K, Dd]
+        return torch.einsum("bkd,kdv->bkv", h[:, 1:], self.codebooks_head).float()
+
+    # ------------------------------------------------------------------ batched generation
+
+    def new_batch(self, n_slots: int, max_seq_len: int | None = None) -> CSMBatchState:
+        """Static caches for ``n_slots`` sessions of up to ``max_seq_len`` backbone positions
+        (prompt + generated frames; default the config's max_position_embeddings)."""
+        return CSMBatchState(self, n_slots, int(max_seq_len or self.config.backbone.max_seq_len))
+
+    @torch.no_grad()
+    def prefill(self, state: CSMBatchState, slot: int, prompt: CSMPrompt | Tensor) -> None:
+        """Run the prompt through the backbone into ``slot`` (which starts over from position 0)."""
+        if not isinstance(prompt, CSMPrompt):
+            prompt = self.prompt_from_ids(prompt)
+        if not 0 <= slot < state.n_slots:
+            raise ConfigError(f"slot {slot} outside 0..{state.n_slots - 1}")
+        t = len(prompt)
+        if t >= state.max_seq_len:
+            raise UnsupportedError(f"prompt of {t} positions does not fit the {state.max_seq_len}-position cache")
+        dev = self.device
+        x = self.embed_prompt(prompt)[None]
+        pos = torch.arange(t, device=dev)[None]
+        slots = torch.tensor([slot], dtype=torch.long, device=dev)
+        h = self.backbone(x, pos, state.backbone_cache, slots)
+        state.hidden[slot] = h[0, -1]
+        state.pos[slot] = t
+        state.frames[slot] = 0
+        state.lengths[slot] = t
+
+    @torch.no_grad()
+    def step(
+        self,
+        state: CSMBatchState,
+        slots: Tensor,
+        temperature: Tensor,
+        top_k: Tensor,
+        seeds: Tensor,
+    ) -> Tensor:
+        """One audio frame for each of the B given (prefilled) slots -> codes [B, K] long.
+
+        slots [B] long (distinct); temperature [B] (<= 0: greedy); top_k [B] long (0: off); seeds [B]
+        long. The sampling counter of codebook k in frame f is f*K + k, so a slot's output depends only
+        on its own prompt, seed and parameters, not on its batch mates. One backbone step (codebook 0
+        from each slot's stored hidden state), K-1 depth steps (codebooks 1..K-1), then one backbone
+        step that consumes the new frame and stores the hidden state for the next call. A row whose K
+        codes are all ``codebook_eos_token_id`` is finished; the caller stops it (see ``is_eos``).
+        """
+        k, dev = self.num_codebooks, self.device
+        if torch.as_tensor(slots).device.type == "cpu":  # host-side capacity check; free of device syncs
+            for s in torch.as_tensor(slots).tolist():
+                if state.lengths[s] == 0:
+                    raise ConfigError(f"slot {s} was not prefilled")
+                if state.lengths[s] >= state.max_seq_len:
+                    raise UnsupportedError(f"slot {s} is full ({state.max_seq_len} positions)")
+                state.lengths[s] += 1
+        slots = torch.as_tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        b = slots.shape[0]
+        temperature = torch.as_tensor(temperature).to(dev, torch.float32, non_blocking=True)
+        top_k = torch.as_tensor(top_k).to(dev, torch.long, non_blocking=True)
+        seeds = torch.as_tensor(seeds).to(dev, torch.long, non_blocking=True)
+        top_p = torch.ones(b, device=dev)
+        step0 = state.frames[slots] * k
+
+        # Codebook 0 from the backbone hidden state of the previous position.
+        hidden = state.hidden[slots]  # [B, D]
+        c = sample(self.lm_head(hidden).float(), temperature, top_k, top_p, seeds, step0)
+        out = [c]
+        # Depth decoder: positions 0 and 1 in one pass, then one position per codebook.
+        x = torch.stack([self.depth_projector(hidden), self._depth_input(c, 0)], dim=1)  # [B, 2, Dd]
+        pos = torch.arange(2, device=dev)[None].expand(b, 2)
+        for cb in range(1, k):
+            h = self.depth(x, pos, state.depth_cache, slots)[:, -1]  # [B, Dd]
+            logits = (h @ self.codebooks_head[cb - 1]).float()
+            c = sample(logits, temperature, top_k, top_p, seeds, step0 + cb)
+            out.append(c)
+            if cb < k - 1:
+                x = self._depth_input(c, cb)[:, None]
+                pos = torch.full((b, 1), cb + 1, dtype=torch.long, device=dev)
+        codes = torch.stack(out, dim=1)  # [B, K]
+
+        # Feed the frame back: the backbone's next hidden state predicts the next frame.
+        p = state.pos[slots]
+        h = self.backbone(self.embed_frames(codes)[:, None], p[:, None], state.backbone_cache, slots)
+        state.hidden[slots] = h[:, 0]
+        state.pos[slots] = p + 1
+        state.frames[slots] += 1
+        return codes
+
+    def is_eos(self, codes: Tensor) -> Tensor:
+        """codes [B, K] -> [B] bool: True for the end-of-speech frame (all K codes are the EOS code)."""
+        return (codes == self.config.codebook_eos_token_id).all(dim=-1)
+
+    @torch.no_grad()
+    def generate_codes(
+        self,
+        input_ids: Tensor | CSMPrompt,
+        max_frames: int,
+        greedy: bool = True,
+        temperature: float = 0.9,
+        top_k: int = 50,
+        seed: int = 0,
+    ) -> Tensor:
+        """Generate up to ``max_frames`` frames for one prompt -> codes [frames, K] long (on the CPU).
+
+        input_ids [1, T] text ids (or a CSMPrompt from ``build_prompt``). Stops before the first
+        all-EOS frame (that frame is not returned). A thin loop over new_batch/prefill/step with one slot.
+        """
+        prompt = input_ids if isinstance(input_ids, CSMPrompt) else self.prompt_from_ids(input_ids)
+        if max_frames < 0:
+            raise UnsupportedError(f"max_frames must be >= 0, got {max_frames}")
+        state = self.new_batch(1, len(prompt) + max_frames + 1)
+        self.prefill(state, 0, prompt)
+        slots = torch.zeros(1, dtype=torch.long)
+        temp = torch.tensor([0.0 if greedy else float(temperature)])
+        tk = torch.tensor([int(top_k)], dtype=torch.long)
+        seeds = torch.tensor([int(seed)], dtype=torch.long)
+        frames: list[Tensor] = []
+        for _ in range(max_frames):
+            codes = self.step(state, slots, temp, tk, seeds)[0].cpu()  # one host sync per frame
+            if bool((codes == self.config.codebook_eos_token_id).all()):
+                break
+            frames.append(codes)
+        if not frames:
+            return torch.zeros(0, self.num_codebooks, dtype=torch.long)
+        return torch.stack(frames)
+
+
+def _read_safetensors(root: Path) -> dict[str, Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards named by ``model.safetensors.index.json``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    single = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelFormatError(f"cannot read {index}: {e}") from None
+        files = [root / name for name in sorted(set(weight_map.values()))]
+    else:
+        raise ModelFormatError(f"CSM checkpoint folder {str(root)!r} has no model.safetensors")
+    sd: dict[str, Tensor] = {}
+    for f in files:
+        try:
+            sd.update(load_file(str(f), device="cpu"))
+        except (OSError, SafetensorError) as e:
+            raise ModelFormatError(f"cannot read {f}: {e}") from None
+    return sd

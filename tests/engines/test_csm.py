@@ -1,0 +1,350 @@
+"""CSM engine equals transformers' CsmForConditionalGeneration (logits, greedy codes, voice-reference
+prompts, CsmProcessor prompt layout), its batched path equals solo generation, and bad folders fail
+with typed errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from realtime.engines.csm import CSM, CSMPrompt
+from realtime.errors import ConfigError, ModelFormatError
+
+transformers = pytest.importorskip("transformers")
+
+SPECIALS = {"<|begin_of_text|>": 290, "<|end_of_text|>": 291, "<|AUDIO|>": 292, "<|audio_eos|>": 293}
+
+CONFIGS = {
+    # K=4 codebooks, GQA in both stacks, llama3-scaled RoPE in the backbone (short original context so
+    # the scaling changes the frequencies that matter here).
+    "k4_llama3": dict(
+        num_codebooks=4, vocab_size=37, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        depth=dict(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=3,
+                   num_key_value_heads=1,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 4}),
+    ),
+    # K=6 codebooks, more backbone layers, MQA backbone, MHA depth decoder with a wider head, plain RoPE.
+    "k6_plain": dict(
+        num_codebooks=6, vocab_size=29, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        depth=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    ),
+}
+
+
+def _tiny_codec() -> dict:
+    # The Mimi codec is part of CsmForConditionalGeneration; keep it tiny. Its weights are ignored by us.
+    return transformers.MimiConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
+        codebook_dim=8, codebook_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
+        vector_quantization_hidden_dimension=8, num_quantizers=4, num_semantic_quantizers=1, head_dim=8,
+        upsample_groups=16,
+    ).to_dict()
+
+
+def _hf_model(name: str, seed: int = 0):
+    c = dict(CONFIGS[name])
+    depth = c.pop("depth")
+    k, v = c["num_codebooks"], c["vocab_size"]
+    cfg = transformers.CsmConfig(
+        **c, text_vocab_size=300, max_position_embeddings=256, pad_token_id=None,
+        bos_token_id=SPECIALS["<|begin_of_text|>"], eos_token_id=SPECIALS["<|end_of_text|>"],
+        audio_token_id=SPECIALS["<|AUDIO|>"], audio_eos_token_id=SPECIALS["<|audio_eos|>"],
+        codebook_pad_token_id=v - 1, codebook_eos_token_id=0,
+        depth_decoder_config=dict(num_codebooks=k, backbone_hidden_size=c["hidden_size"], vocab_size=v,
+                                  max_position_embeddings=k, **depth),
+        codec_config=_tiny_codec(), attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    model = transformers.CsmForConditionalGeneration(cfg).eval()
+    # HF's init (std 0.02, unit norms) gives near-uniform logits where any rounding could flip an argmax;
+    # use O(1) activations and well-separated logits, and random norms so a misplaced norm cannot hide.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.startswith("codec_model."):
+                continue
+            if "norm" in pname:
+                p.normal_(1.0, 0.2)
+            elif "embed" in pname:
+                p.normal_(0.0, 1.0)
+            elif pname.endswith("codebooks_head.weight"):
+                p.normal_(0.0, 3.0 / math.sqrt(p.shape[1]))
+            elif pname == "lm_head.weight":
+                p.normal_(0.0, 3.0 / math.sqrt(p.shape[1]))
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    return model
+
+
+def _save_tokenizer(folder: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, models
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    vocab.update(SPECIALS)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per character
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for i, name in enumerate(CONFIGS):
+        folder = tmp_path_factory.mktemp(name)
+        model = _hf_model(name, seed=i)
+        model.save_pretrained(folder)
+        _save_tokenizer(folder)
+        out[name] = (folder, model, CSM.from_pretrained(folder))
+    return out
+
+
+def _hf_generate(model, input_ids: torch.Tensor, n: int, **kw) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(input_ids, do_sample=False, depth_decoder_do_sample=False, max_new_tokens=n, **kw)
+    assert isinstance(out, torch.Tensor) and out.ndim == 3 and out.shape[0] == 1
+    return out[0]  # [frames, K]
+
+
+def _until_eos(codes: torch.Tensor) -> torch.Tensor:
+    """HF keeps the stop frame in its output; we return the frames before the first all-zero frame."""
+    stop = (codes == 0).all(dim=-1).nonzero()
+    return codes[: int(stop[0])] if stop.numel() else codes
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_logits_match_hf(ckpts, name):
+    _, hf, ours = ckpts[name]
+    k = ours.num_codebooks
+    torch.manual_seed(5)
+    ids = torch.randint(0, 290, (1, 11))
+    with torch.no_grad():
+        ref = hf(input_ids=ids)
+    logits, hidden = ours.backbone_logits(ids)
+    torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-4)
+    # Depth decoder teacher-forced over a batch of 3 frames, from the backbone's last hidden states.
+    codes = torch.randint(0, ours.audio_vocab_size, (3, k))
+    h = hidden[-3:]
+    with torch.no_grad():
+        hf_in = torch.nn.functional.pad(codes[:, : k - 1], (1, 0), value=0)  # position 0 = backbone hidden
+        ref_d = hf.depth_decoder(input_ids=hf_in, backbone_last_hidden_state=h).logits
+    assert ref_d.shape == (3, k - 1, ours.audio_vocab_size)
+    torch.testing.assert_close(ours.depth_logits(h, codes), ref_d, rtol=1e-4, atol=1e-4)
+    # Logits are far from uniform, so the greedy comparisons below are meaningful.
+    assert float(logits.std(dim=-1).min()) > 0.5
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_codes_match_hf_generate(ckpts, name):
+    _, hf, ours = ckpts[name]
+    n = 20
+    for seed, t in ((1, 9), (2, 4)):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 290, (1, t))
+        ref = _hf_generate(hf, ids, n)
+        assert ref.shape == (n, ours.num_codebooks)  # random weights do not emit the stop frame here
+        got = ours.generate_codes(ids, max_frames=n)
+        assert got.dtype == torch.long
+        torch.testing.assert_close(got, _until_eos(ref), rtol=0, atol=0)
+        assert len(set(got[:, 0].tolist())) > 1  # not a degenerate constant output
+
+
+def test_stop_rule(ckpts, tmp_path):
+    folder, hf, ours = ckpts["k4_llama3"]
+    k = ours.num_codebooks
+    # 1. Scripted frames: a frame with some zero codes goes on; the first all-zero frame ends the
+    #    utterance and is not returned.
+    script = iter([torch.tensor([[3, 0, 0, 0]]), torch.tensor([[0, 0, 0, 5]]), torch.zeros(1, k, dtype=torch.long),
+                   torch.tensor([[1, 2, 3, 4]])])
+    real_step = ours.step
+    calls = []
+
+    def fake_step(state, slots, temperature, top_k, seeds):
+        calls.append(1)
+        real_step(state, slots, temperature, top_k, seeds)
+        return next(script)
+
+    ours.step = fake_step
+    try:
+        got = ours.generate_codes(torch.tensor([[290, 5, 6]]), max_frames=10)
+    finally:
+        del ours.step
+    assert got.tolist() == [[3, 0, 0, 0], [0, 0, 0, 5]] and len(calls) == 3
+    assert ours.is_eos(torch.tensor([[0, 0, 0, 0], [0, 0, 0, 5]])).tolist() == [True, False]
+    # 2. A real model whose heads are zero emits the all-zero frame at once: HF stops after that one
+    #    frame, we return no frames.
+    sd = load_file(folder / "model.safetensors")
+    sd["lm_head.weight"] = torch.zeros_like(sd["lm_head.weight"])
+    sd["depth_decoder.codebooks_head.weight"] = torch.zeros_like(sd["depth_decoder.codebooks_head.weight"])
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    save_file(sd, dead / "model.safetensors")
+    shutil.copy(folder / "config.json", dead / "config.json")
+    hf_dead = transformers.CsmForConditionalGeneration.from_pretrained(dead).eval()
+    ids = torch.tensor([[290, 7, 8, 9]])
+    ref = _hf_generate(hf_dead, ids, 8)
+    assert ref.tolist() == [[0] * k]
+    got = CSM.from_pretrained(dead).generate_codes(ids, max_frames=8)
+    assert got.shape == (0, k)
+
+
+def _stub_codec(hf, frames: list[torch.Tensor]) -> None:
+    """Replace HF's Mimi encoder by a stub that returns the given codes, so HF and we start from the same
+    audio codes (the codec itself is tested in the Mimi tests)."""
+    queue = list(frames)
+
+    def encode(audio, *a, **kw):
+        return SimpleNamespace(audio_codes=queue.pop(0).T[None])  # [1, K, F]
+
+    def get_audio_codes_mask(padding_mask, padding_side="right"):
+        n = torch.ceil(padding_mask.sum(-1) / 1920).long()  # CsmProcessor's frame count for 24 kHz Mimi
+        return torch.arange(int(n.max()))[None] < n[:, None]
+
+    hf.codec_model.encode = encode
+    hf.codec_model.get_audio_codes_mask = get_audio_codes_mask
+
+
+def test_voice_reference_prompt_matches_hf_and_processor(ckpts):
+    folder, hf, ours = ckpts["k4_llama3"]
+    k, v = ours.num_codebooks, ours.audio_vocab_size
+    torch.manual_seed(11)
+    ref_a = torch.randint(1, v, (3, k))
+    ref_b = torch.randint(1, v, (2, k))
+    prompt = ours.build_prompt("xyz!", speaker=1, context=[(1, "ab", ref_a), (0, "cd", ref_b), (1, "no audio", None)])
+    assert isinstance(prompt, CSMPrompt) and ours.tokenizer is not None
+    # Prompt layout equals what CsmProcessor builds from the same conversation text + audio.
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    fast.pad_token = "<|end_of_text|>"
+    proc = transformers.CsmProcessor(transformers.EncodecFeatureExtractor(feature_size=1, sampling_rate=24000), fast)
+    text = ("<|begin_of_text|>[1]ab<|end_of_text|><|AUDIO|><|audio_eos|>"
+            "<|begin_of_text|>[0]cd<|end_of_text|><|AUDIO|><|audio_eos|>"
+            "<|begin_of_text|>[1]no audio<|end_of_text|>"
+            "<|begin_of_text|>[1]xyz!<|end_of_text|>")
+    audio = [np.zeros(1920 * 3, dtype=np.float32), np.zeros(1920 * 2, dtype=np.float32)]
+    inputs = proc(text, audio=audio)
+    assert inputs["input_ids"][0].tolist() == prompt.ids.tolist()
+    assert ours.tokenize("xyz!", 1) == [290, *[ord(c) - 32 for c in "[1]xyz!"], 291]
+    # Same next codes as HF fed with the same audio codes.
+    _stub_codec(hf, [ref_a, ref_b])
+    n = 8
+    ref = _hf_generate(hf, inputs["input_ids"], n, input_values=inputs["input_values"],
+                       input_values_cutoffs=inputs["input_values_cutoffs"])
+    del hf.codec_model.encode, hf.codec_model.get_audio_codes_mask
+    got = ours.generate_codes(prompt, max_frames=n)
+    torch.testing.assert_close(got, _until_eos(ref), rtol=0, atol=0)
+    # The audio really steers the output (the prompt is not silently embedded as text).
+    text_only = ours.generate_codes(prompt.ids[None], max_frames=n)
+    assert not torch.equal(text_only, got)
+
+
+def test_batched_sessions_equal_solo(ckpts):
+    _, _, ours = ckpts["k6_plain"]
+    k = ours.num_codebooks
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 290, (1, t)) for t in (5, 9, 3, 7)]
+    n = 10
+    # (slot, join step, temperature, top_k, seed): session 2 samples, proving per-row seeded sampling.
+    sessions = [(3, 0, 0.0, 0, 0), (0, 2, 0.0, 0, 0), (2, 5, 0.9, 5, 7)]
+    solo = [ours.generate_codes(prompts[0], n), ours.generate_codes(prompts[1], n),
+            ours.generate_codes(prompts[2], n, greedy=False, temperature=0.9, top_k=5, seed=7),
+            ours.generate_codes(prompts[3], n)]
+    assert not torch.equal(solo[2], ours.generate_codes(prompts[2], n))  # sampling differs from greedy
+    state = ours.new_batch(n_slots=4, max_seq_len=32)
+    out: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+    active: dict[int, int] = {}  # session -> slot
+    params = {i: s for i, s in enumerate(sessions)}
+    params[3] = (3, None, 0.0, 0, 0)  # session 3 reuses session 0's slot once that one is done
+    for t in range(40):
+        for i, (slot, join, *_rest) in params.items():
+            if join == t:
+                ours.prefill(state, slot, prompts[i])
+                active[i] = slot
+        if not active:
+            break
+        ids = sorted(active)
+        slots = torch.tensor([active[i] for i in ids])
+        frames = ours.step(state, slots, torch.tensor([params[i][2] for i in ids]),
+                           torch.tensor([params[i][3] for i in ids]), torch.tensor([params[i][4] for i in ids]))
+        assert frames.shape == (len(ids), k)
+        for row, i in enumerate(ids):
+            out[i].append(frames[row])
+            if len(out[i]) == n:
+                del active[i]
+                if i == 0:
+                    state.reset([params[0][0]])
+                    params[3] = (3, t + 1, 0.0, 0, 0)
+    for i in range(4):
+        assert len(out[i]) == n
+        torch.testing.assert_close(torch.stack(out[i]), solo[i], rtol=0, atol=0)
+
+
+def _copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_checkpoints(ckpts, tmp_path):
+    folder, _, _ = ckpts["k4_llama3"]
+    with pytest.raises(ConfigError, match="does not exist"):
+        CSM.from_pretrained(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        CSM.from_pretrained(empty)
+    # Wrong model type.
+    bad = _copy_ckpt(folder, tmp_path / "llama")
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(ConfigError, match="model_type='llama'"):
+        CSM.from_pretrained(bad)
+    # Config that does not match the weights.
+    bad = _copy_ckpt(folder, tmp_path / "k5")
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_codebooks": 5, "depth_decoder_config": {
+        **cfg["depth_decoder_config"], "num_codebooks": 5}}))
+    with pytest.raises(ModelFormatError, match="codebooks_head"):
+        CSM.from_pretrained(bad)
+    # Inconsistent sub-config.
+    bad = _copy_ckpt(folder, tmp_path / "dd")
+    (bad / "config.json").write_text(json.dumps({**cfg, "depth_decoder_config": {
+        **cfg["depth_decoder_config"], "num_codebooks": 7}}))
+    with pytest.raises(ConfigError, match="depth decoder num_codebooks"):
+        CSM.from_pretrained(bad)
+    # Missing / unexpected tensors.
+    sd = load_file(folder / "model.safetensors")
+    bad = _copy_ckpt(folder, tmp_path / "missing")
+    save_file({n: t for n, t in sd.items() if n not in ("lm_head.weight", "backbone_model.layers.1.mlp.up_proj.weight")},
+              bad / "model.safetensors")
+    with pytest.raises(ModelFormatError, match="lm_head.weight"):
+        CSM.from_pretrained(bad)
+    save_file({n: t for n, t in sd.items() if n != "backbone_model.layers.1.mlp.up_proj.weight"}, bad / "model.safetensors")
+    with pytest.raises(ModelFormatError, match="backbone_model.layers.1.mlp.up_proj.weight"):
+        CSM.from_pretrained(bad)
+    save_file({**sd, "extra.weight": torch.zeros(2)}, bad / "model.safetensors")
+    with pytest.raises(ModelFormatError, match="unexpected: extra.weight"):
+        CSM.from_pretrained(bad)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(ModelFormatError, match="no model.safetensors"):
+        CSM.from_pretrained(bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelFormatError, match="cannot read"):
+        CSM.from_pretrained(bad)
+    # A folder storing one shared codebook table loads when the config declares them tied.
+    one = _copy_ckpt(folder, tmp_path / "one_table")
+    shared = sd["backbone_model.embed_tokens.embed_audio_tokens.weight"]
+    save_file({**{n: t for n, t in sd.items() if n != "depth_decoder.model.embed_tokens.weight"}},
+              one / "model.safetensors")
+    m = CSM.from_pretrained(one)
+    assert m.depth_embed_audio is m.embed_audio and torch.equal(m.embed_audio.weight, shared)
