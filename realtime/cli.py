@@ -1,0 +1,127 @@
+"""The ``realtime`` command: serve, say (and, as engines land, transcribe / chat / agent)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _add_devices(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generator-device", default="cpu", help="device of the generator stage (cpu, cuda:0)")
+    p.add_argument("--codec-device", default=None, help="device of the codec/vocoder stage (default: same)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from realtime.config import ServerConfig
+    from realtime.errors import ConfigError
+    from realtime.server import create_app
+
+    cfg = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or os.environ.get("REALTIME_API_KEY") or None,
+        allow_no_auth=args.no_auth, max_frame_bytes=args.max_frame_bytes, max_streams=args.max_streams,
+        generator_device=args.generator_device, codec_device=args.codec_device or args.generator_device,
+        dtype=args.dtype, tts_model=args.tts_model, warmup=not args.no_warmup,
+    )
+    try:
+        app = create_app(cfg)
+    except ConfigError as exc:
+        print(f"realtime: {exc.message}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
+                ws_max_size=max(cfg.max_frame_bytes * 2, 1 << 16), ws_ping_interval=20, ws_ping_timeout=20)
+    return 0
+
+
+def _write_wav(path: str, audio: np.ndarray, rate: int) -> None:
+    import soundfile as sf
+
+    sf.write(path, audio, rate, subtype="PCM_16")
+
+
+def _say(args: argparse.Namespace) -> int:
+    text = args.text if args.text != "-" else sys.stdin.read()
+    if not text.strip():
+        print("realtime say: nothing to say", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    if args.local:
+        from realtime.config import ServerConfig
+        from realtime.local import synthesize_local
+        from realtime.server import load_tts
+
+        cfg = ServerConfig(generator_device=args.generator_device,
+                           codec_device=args.codec_device or args.generator_device,
+                           dtype=args.dtype, tts_model=args.model)
+        backend = load_tts(cfg)
+        rate = args.sample_rate or backend.native_rate
+        audio = synthesize_local(text, backend, rate, cfg)
+        stats = {}
+        if args.save_codes:
+            codes = getattr(backend, "last_codes", None)
+            if codes is None:
+                print("realtime say: --save-codes needs a codec model (CSM)", file=sys.stderr)
+                return 2
+            np.save(args.save_codes, codes)
+    else:
+        from realtime.clients.tts import ServerError, synthesize
+
+        rate = args.sample_rate or 24000
+        try:
+            audio, stats = synthesize(args.url, text, sample_rate=rate,
+                                      api_key=args.api_key or os.environ.get("REALTIME_API_KEY"))
+        except (ServerError, OSError) as exc:
+            print(f"realtime say: {exc}", file=sys.stderr)
+            return 1
+    _write_wav(args.output, audio, rate)
+    dur = len(audio) / rate
+    extra = f", ttfa {stats['client_ttfa_ms']:.0f} ms" if stats.get("client_ttfa_ms") is not None else ""
+    print(f"wrote {args.output}: {dur:.2f} s at {rate} Hz in {time.perf_counter() - t0:.2f} s{extra}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="realtime", description="Real-time streaming speech service")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the WebSocket/HTTP service")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env REALTIME_API_KEY)")
+    s.add_argument("--no-auth", action="store_true", help="allow a non-loopback bind without a key")
+    s.add_argument("--tts-model", default=None, help="a CSM checkpoint folder or a Piper .onnx (default: embedded voice)")
+    s.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-streams", type=int, default=256)
+    s.add_argument("--no-warmup", action="store_true")
+    s.add_argument("--log-level", default="info")
+    _add_devices(s)
+    s.set_defaults(fn=_serve)
+
+    y = sub.add_parser("say", help="speak TEXT into a WAV file")
+    y.add_argument("text", help="the text ('-' reads stdin)")
+    y.add_argument("-o", "--output", required=True)
+    y.add_argument("--url", default="ws://127.0.0.1:8000/v1/tts")
+    y.add_argument("--api-key", default=None)
+    y.add_argument("--local", action="store_true", help="synthesize in this process (no server)")
+    y.add_argument("--model", default=None, help="with --local: a CSM folder or Piper .onnx")
+    y.add_argument("--sample-rate", type=int, default=None)
+    y.add_argument("--save-codes", default=None, help="with --local and CSM: save codec codes (.npy)")
+    _add_devices(y)
+    y.set_defaults(fn=_say)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

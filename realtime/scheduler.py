@@ -1,0 +1,366 @@
+"""The one scheduler: jobs from every session, lanes of engine steps, device workers.
+
+Vocabulary (docs/architecture.md has the picture):
+
+- A **Job** is one request in flight (a TTS stream, an ASR stream, a chat completion, an image).
+  It has a state and a ``deadline()``: the monotonic time by which it needs its next output. For
+  speech that is the moment the client's player runs dry; for a job that has produced nothing yet
+  it is its arrival time (so first audio is served first); for background work it is far out.
+- A **Lane** is one kind of step an engine offers, bound to a worker: "piper.generate",
+  "piper.vocode", "csm.frame", "mimi.decode", "whisper.decode", "llama.decode", "dit.step". A lane
+  knows which of its jobs are ready and runs one batched step for a list of them.
+- A **Worker** owns one device stream (a thread; on CUDA also a torch stream). Each turn it asks
+  the policy for the most urgent (lane, batch) among its lanes and runs it. Two workers connected
+  by a job's bounded frame buffer make a pipeline: the codec of frame n overlaps the generator of
+  frame n+1.
+
+``pick`` is pure Python and unit-tested without threads or tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+log = logging.getLogger("realtime.scheduler")
+
+BACKGROUND_SLACK_S = 1.0  # background work (image steps) yields to any job due sooner than this
+
+
+class JobState(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class Priority(int, Enum):
+    REALTIME = 0  # speech in/out: has a playback deadline
+    INTERACTIVE = 1  # text decode: someone is waiting for tokens
+    BACKGROUND = 2  # image/video steps: fill the gaps
+
+
+_ids = itertools.count(1)
+
+
+class Job:
+    """Base class of a request in flight. Subclasses add their queues and per-slot state."""
+
+    priority: Priority = Priority.REALTIME
+
+    def __init__(self, now: float | None = None) -> None:
+        self.id = next(_ids)
+        self.state = JobState.QUEUED
+        self.created = time.monotonic() if now is None else now
+        self.lock = threading.Lock()  # guards the subclass's queues between the loop and workers
+        self.error: BaseException | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in (JobState.QUEUED, JobState.RUNNING)
+
+    def deadline(self, now: float) -> float:
+        """Monotonic seconds by which this job needs its next step (smaller = more urgent)."""
+        if self.priority is Priority.BACKGROUND:
+            return now + BACKGROUND_SLACK_S
+        return self.created
+
+    def cancel(self) -> None:
+        if self.active:
+            self.state = JobState.CANCELLED
+            self.notify()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.active:
+            self.error = exc
+            self.state = JobState.FAILED
+            self.notify()
+
+    def notify(self) -> None:
+        """Wake whoever consumes this job's output (the job ended). Subclasses override."""
+
+
+class Lane(ABC):
+    """One batched step kind of one engine, run by one worker."""
+
+    name: str = "lane"
+    worker: str = "generator"  # which worker (device stream) runs it
+    max_batch: int = 1
+
+    def __init__(self) -> None:
+        self.jobs: set[Job] = set()
+        self.steps = 0
+        self.busy_s = 0.0
+
+    def add(self, job: Job) -> None:
+        self.jobs.add(job)
+
+    def discard(self, job: Job) -> None:
+        self.jobs.discard(job)
+
+    @abstractmethod
+    def is_ready(self, job: Job) -> bool:
+        """Does ``job`` have work for this lane now? Called under no lock; must be cheap."""
+
+    @abstractmethod
+    def run(self, jobs: list[Job]) -> None:
+        """One step for ``jobs`` (1..max_batch, most urgent first). Runs in the worker thread."""
+
+    def release(self, job: Job) -> None:
+        """Free what the job held in this lane (return its cache slot to the free list).
+
+        Called once per job, from whichever thread reaps it: bookkeeping only, no tensor work
+        (a slot's tensors are reset when the next job takes it, in the lane's own worker).
+        """
+
+    def ready_jobs(self) -> list[Job]:
+        return [j for j in list(self.jobs) if j.active and self.is_ready(j)]
+
+
+@dataclass
+class Choice:
+    lane: Lane
+    jobs: list[Job]
+
+
+def pick(lanes: Sequence[Lane], now: float) -> Choice | None:
+    """Earliest-deadline-first over lanes: the lane holding the most urgent ready job wins, and runs
+    a batch of its ready jobs, most urgent first, up to its max batch."""
+    best: tuple[float, int, Lane, list[Job]] | None = None
+    for order, lane in enumerate(lanes):
+        ready = lane.ready_jobs()
+        if not ready:
+            continue
+        ready.sort(key=lambda j: (j.deadline(now), j.id))
+        key = (ready[0].deadline(now), order)
+        if best is None or key < best[:2]:
+            best = (key[0], key[1], lane, ready)
+    if best is None:
+        return None
+    _, _, lane, ready = best
+    return Choice(lane, ready[: lane.max_batch])
+
+
+@dataclass
+class WorkerStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    last_step_s: float = 0.0
+    errors: int = 0
+
+
+class Worker:
+    """A thread that owns one device stream and runs the lanes bound to it."""
+
+    def __init__(self, name: str, device: str, on_step: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self.device = device
+        self.lanes: list[Lane] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.stats = WorkerStats()
+        self.on_step = on_step
+        self.stream = None  # torch.cuda.Stream on CUDA, set in start()
+        self._pending = False
+
+    def start(self) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            self.stream = torch.cuda.Stream(device=self.device)
+        self.thread = threading.Thread(target=self._loop, name=f"worker-{self.name}", daemon=True)
+        self.thread.start()
+
+    def wake(self) -> None:
+        with self.cond:
+            self._pending = True
+            self.cond.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def _loop(self) -> None:
+        if self.stream is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)
+            ctx = torch.cuda.stream(self.stream)
+            ctx.__enter__()
+        while True:
+            if self.on_step is not None:
+                self.on_step()  # reap ended jobs first: a disconnected client frees its slot now
+            with self.cond:
+                if self.stopping:
+                    return
+                choice = pick(self.lanes, time.monotonic())
+                if choice is None:
+                    self._pending = False
+                    # Sleep until woken (new work) — the timeout only guards against a lost wake-up.
+                    self.cond.wait_for(lambda: self._pending or self.stopping, timeout=0.05)
+                    continue
+            self._run(choice)
+
+    def _run(self, choice: Choice) -> None:
+        t0 = time.perf_counter()
+        for job in choice.jobs:
+            if job.state is JobState.QUEUED:
+                job.state = JobState.RUNNING
+        try:
+            choice.lane.run(choice.jobs)
+        except Exception as exc:  # an engine bug fails the jobs in this batch, not the server
+            log.exception("lane %s failed on %d job(s)", choice.lane.name, len(choice.jobs))
+            self.stats.errors += 1
+            for job in choice.jobs:
+                job.fail(exc)
+        dt = time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.busy_s += dt
+        self.stats.last_step_s = dt
+        choice.lane.steps += 1
+        choice.lane.busy_s += dt
+
+
+class Scheduler:
+    """Owns the workers, the lanes and every job in flight. Thread-safe entry points for sessions."""
+
+    def __init__(self, devices: dict[str, str] | None = None, max_jobs: int = 256) -> None:
+        # worker name → device; the TTS pipeline uses "generator" and "codec"
+        self.devices = devices or {"generator": "cpu", "codec": "cpu"}
+        self.max_jobs = max_jobs
+        self.workers = {name: Worker(name, dev, on_step=self._reap) for name, dev in self.devices.items()}
+        self.jobs: dict[int, tuple[Job, tuple[Lane, ...]]] = {}
+        self.lock = threading.Lock()
+        self.started = False
+        self.on_finished: list[Callable[[Job], None]] = []
+
+    def add_lane(self, lane: Lane) -> Lane:
+        if lane.worker not in self.workers:
+            raise KeyError(f"lane {lane.name} wants worker {lane.worker!r}; have {list(self.workers)}")
+        self.workers[lane.worker].lanes.append(lane)
+        return lane
+
+    def lanes(self) -> Iterable[Lane]:
+        for w in self.workers.values():
+            yield from w.lanes
+
+    def start(self) -> None:
+        if not self.started:
+            for w in self.workers.values():
+                w.start()
+            self.started = True
+
+    def stop(self) -> None:
+        for w in self.workers.values():
+            w.stop()
+        self.started = False
+
+    @property
+    def active(self) -> int:
+        return len(self.jobs)
+
+    def submit(self, job: Job, lanes: Sequence[Lane]) -> Job:
+        """Register ``job`` with the lanes it will pass through. Raises when the server is full."""
+        from realtime.errors import OverloadedError
+
+        with self.lock:
+            if len(self.jobs) >= self.max_jobs:
+                raise OverloadedError("the server is at capacity; try again shortly")
+            self.jobs[job.id] = (job, tuple(lanes))
+            for lane in lanes:
+                lane.add(job)
+        self.wake()
+        return job
+
+    def wake(self) -> None:
+        """Something changed (text arrived, a buffer drained): let the workers look again."""
+        for w in self.workers.values():
+            w.wake()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job at once; its lanes drop it before their next step."""
+        job.cancel()
+        self.wake()
+
+    def _reap(self) -> None:
+        """Drop finished/cancelled/failed jobs from their lanes (after every step)."""
+        with self.lock:
+            done = [(j, lanes) for j, lanes in self.jobs.values() if not j.active]
+            for job, lanes in done:
+                del self.jobs[job.id]
+        for job, lanes in done:
+            for lane in lanes:
+                lane.discard(job)
+                try:
+                    lane.release(job)
+                except Exception:  # release must never take a worker down
+                    log.exception("release failed in %s", lane.name)
+            for cb in self.on_finished:
+                cb(job)
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "active_jobs": self.active,
+            "workers": {n: {"device": w.device, "steps": w.stats.steps, "busy_s": round(w.stats.busy_s, 3),
+                            "errors": w.stats.errors} for n, w in self.workers.items()},
+            "lanes": {lane.name: {"jobs": len(lane.jobs), "ready": len(lane.ready_jobs()), "steps": lane.steps}
+                      for lane in self.lanes()},
+        }
+
+
+@dataclass
+class OutputChannel:
+    """Bounded hand-off of items from a worker thread to one asyncio consumer.
+
+    The worker side never blocks: lanes check ``room()`` in ``is_ready`` before producing, which is
+    the back-pressure that keeps the channel bounded. The asyncio side awaits ``get_batch``.
+    """
+
+    capacity: int = 256
+    items: list[object] = field(default_factory=list)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop = None
+        self._event = None
+
+    def bind(self, loop, event) -> None:  # noqa: ANN001 - asyncio objects, kept untyped to stay loop-agnostic
+        self._loop, self._event = loop, event
+
+    def room(self) -> int:
+        with self._lock:
+            return self.capacity - len(self.items)
+
+    def put(self, item: object) -> None:
+        with self._lock:
+            assert len(self.items) < self.capacity + 64, "lane ignored back-pressure"
+            self.items.append(item)
+        self._signal()
+
+    def close(self) -> None:
+        self.closed = True
+        self._signal()
+
+    def _signal(self) -> None:
+        if self._loop is not None and self._event is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # loop closed: the session is gone
+                pass
+
+    def take(self) -> list[object]:
+        with self._lock:
+            items, self.items = self.items, []
+        return items

@@ -1,0 +1,248 @@
+"""The starlette app: routes, auth, lifespan (models load and warm up before the port accepts)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from realtime.config import ServerConfig
+from realtime.errors import AuthError, ProtocolError, RealtimeError, UnsupportedError
+from realtime.metrics import Gauge, Metrics
+from realtime.protocol.tts import StartParams, parse_start
+from realtime.scheduler import Scheduler
+from realtime.sessions import Connection, TTSSession
+from realtime.tts import END, SPURT_END, AudioChunk, TTSBackend
+
+log = logging.getLogger("realtime.server")
+
+# OpenAI's voice names: accepted on /v1/audio/speech and mapped to our default voice, so the
+# official SDKs work unchanged.
+OPENAI_VOICES = frozenset("alloy ash ballad coral echo fable onyx nova sage shimmer verse".split())
+SPEECH_FORMATS = {"wav": ("pcm_s16le", "audio/wav"), "pcm": ("pcm_s16le", "audio/pcm"),
+                  "mulaw": ("mulaw", "audio/basic")}
+
+
+@dataclass
+class AppState:
+    config: ServerConfig
+    scheduler: Scheduler
+    tts: TTSBackend
+    metrics: Metrics
+    sessions: set[asyncio.Task[Any]] = field(default_factory=set)
+    websockets: set[WebSocket] = field(default_factory=set)
+    accepting: bool = True
+
+
+def load_tts(config: ServerConfig) -> TTSBackend:
+    import torch
+
+    dtype = getattr(torch, config.dtype)
+    if config.tts_model is None or config.tts_model.endswith(".onnx"):
+        from realtime.tts_piper import PiperBackend
+
+        return PiperBackend(config.tts_model, config.generator_device, config.codec_device, dtype)
+    from realtime.tts_csm import CSMBackend
+
+    return CSMBackend(config.tts_model, config.generator_device, config.codec_device, dtype)
+
+
+def _authorized(config: ServerConfig, headers: Any, query: Any) -> bool:
+    if config.api_key is None:
+        return True
+    auth = headers.get("authorization", "")
+    token = auth[7:] if auth.lower().startswith("bearer ") else query.get("token", "")
+    return hmac.compare_digest(token.encode(), config.api_key.encode())
+
+
+def create_app(config: ServerConfig, tts: TTSBackend | None = None) -> Starlette:
+    """Build the app. ``tts`` may be given (tests, bench); otherwise it loads at startup."""
+    config.check_auth()
+    holder: dict[str, AppState] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        t0 = time.perf_counter()
+        backend = tts if tts is not None else await asyncio.to_thread(load_tts, config)
+        scheduler = Scheduler({"generator": config.generator_device, "codec": config.codec_device},
+                              max_jobs=config.max_streams)
+        metrics = Metrics()
+        state = AppState(config, scheduler, backend, metrics)
+        backend._registered(scheduler)
+        metrics.gauges.append(Gauge("realtime_active_streams", "Jobs in flight",
+                                    lambda: {"": scheduler.active}))
+        metrics.gauges.append(Gauge("realtime_lane_ready", "Jobs ready per lane (queue depth)",
+                                    lambda: {f'{{lane="{ln.name}"}}': len(ln.ready_jobs())
+                                             for ln in scheduler.lanes()}))
+        if config.warmup and hasattr(backend, "warmup"):
+            await asyncio.to_thread(backend.warmup)
+        scheduler.start()
+        holder["state"] = state
+        app.state.realtime = state
+        log.info("ready in %.1fs: tts=%s on %s/%s", time.perf_counter() - t0, backend.name,
+                 config.generator_device, config.codec_device)
+        try:
+            yield
+        finally:
+            # Ordered shutdown: stop accepting, tell clients (1012), wait a little, cancel, stop workers.
+            state.accepting = False
+            for ws in list(state.websockets):
+                try:
+                    await ws.close(code=1012, reason="server restarting")
+                except Exception:
+                    pass
+            if state.sessions:
+                await asyncio.wait(list(state.sessions), timeout=config.shutdown_timeout_s)
+            for task in list(state.sessions):
+                task.cancel()
+            scheduler.stop()
+
+    def st(request_or_ws: Request | WebSocket) -> AppState:
+        return holder["state"]
+
+    async def health(request: Request) -> Response:
+        state = st(request)
+        return JSONResponse({"status": "ok", "active_streams": state.scheduler.active,
+                             "models": [state.tts.describe()]})
+
+    async def metrics(request: Request) -> Response:
+        state = st(request)
+        if not _authorized(config, request.headers, request.query_params):
+            return JSONResponse({"error": {"code": "unauthorized", "message": "missing or bad API key"}}, 401)
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(request: Request) -> Response:
+        state = st(request)
+        if not _authorized(config, request.headers, request.query_params):
+            return JSONResponse({"error": {"code": "unauthorized", "message": "missing or bad API key"}}, 401)
+        return JSONResponse({"object": "list", "data": [state.tts.describe()]})
+
+    async def tts_ws(ws: WebSocket) -> None:
+        state = st(ws)
+        if not _authorized(config, ws.headers, ws.query_params):
+            await ws.close(code=AuthError.close_code, reason="unauthorized")
+            return
+        if not state.accepting:
+            await ws.close(code=1012, reason="server restarting")
+            return
+        await ws.accept()
+        state.websockets.add(ws)
+        task = asyncio.current_task()
+        assert task is not None
+        state.sessions.add(task)
+        try:
+            await TTSSession(state, Connection(ws, config.max_frame_bytes)).run()
+        finally:
+            state.sessions.discard(task)
+            state.websockets.discard(ws)
+
+    async def speech(request: Request) -> Response:
+        state = st(request)
+        if not _authorized(config, request.headers, request.query_params):
+            return _http_error(AuthError("missing or bad API key"), 401)
+        try:
+            body = await _json_body(request, config.max_frame_bytes)
+            params, text, media = _speech_params(body, state.tts)
+            job = state.tts.new_job(params)
+        except RealtimeError as exc:
+            return _http_error(exc, 400)
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        job.output.bind(loop, wake)
+        try:
+            state.tts.submit(state.scheduler, job)
+        except RealtimeError as exc:
+            return _http_error(exc, 503)
+        job.push_text(text)
+        job.stop()
+        state.scheduler.wake()
+        fmt_name = body.get("response_format", "wav")
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                if fmt_name == "wav":
+                    yield _wav_header(params.sample_rate)
+                while True:
+                    await wake.wait()
+                    wake.clear()
+                    items = job.output.take()
+                    if items:
+                        state.scheduler.wake()
+                    for item in items:
+                        if item is END:
+                            return
+                        if item is SPURT_END:
+                            continue
+                        assert isinstance(item, AudioChunk)
+                        yield item.data
+                    if not job.active and not job.ended:
+                        return  # failed or cancelled: end the body early
+            finally:
+                if job.active:
+                    state.scheduler.cancel(job)
+
+        return StreamingResponse(stream(), media_type=media)
+
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", models),
+        Route("/v1/audio/speech", speech, methods=["POST"]),
+        WebSocketRoute("/v1/tts", tts_ws),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > limit:
+        raise ProtocolError(f"body over {limit} bytes", code="too_large")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ProtocolError("body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, str, str]:
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise ProtocolError("'input' must be a non-empty string", code="missing_field")
+    fmt_name = body.get("response_format", "wav")
+    if fmt_name not in SPEECH_FORMATS:
+        raise UnsupportedError(f"response_format '{str(fmt_name)[:20]}' is not supported; use wav, pcm or mulaw")
+    fmt, media = SPEECH_FORMATS[fmt_name]
+    voice = body.get("voice")
+    if voice in OPENAI_VOICES:
+        voice = None
+    rate = {"wav": tts.native_rate, "pcm": 24000, "mulaw": 8000}[fmt_name]
+    msg = {"type": "start", "format": fmt, "sample_rate": rate, "voice": voice, "speed": body.get("speed")}
+    params = parse_start(msg, tts.native_rate)
+    if len(text) > 20_000:
+        raise ProtocolError("'input' may hold at most 20000 characters", code="too_long")
+    return params, text, media
+
+
+def _wav_header(rate: int) -> bytes:
+    """A streaming WAV header: sizes set to the maximum, as players expect for unknown lengths."""
+    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " +
+            struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFFF))
+
+
+def _http_error(exc: RealtimeError, status: int) -> Response:
+    return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=status)

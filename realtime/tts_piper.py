@@ -1,0 +1,177 @@
+"""The embedded voice on the scheduler: Piper VITS as a two-stage pipeline.
+
+GENERATOR lane (worker "generator"): one text segment → phonemes → latent frames z [1, C, F] for
+each sentence (text encoder + duration predictor + flow). VOCODER lane (worker "codec"): windows of
+latent frames → PCM through HiFi-GAN with context on both sides, so chunked audio equals
+whole-utterance audio. Windows of equal length from different streams run as one batched call.
+The first window of a talk spurt is short (first audio soon); later ones are longer (less context
+overhead per sample).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from realtime.protocol.tts import StartParams
+from realtime.scheduler import Lane
+from realtime.tts import TTSBackend, TTSJob
+
+log = logging.getLogger("realtime.piper")
+
+FIRST_WINDOW = 8  # latent frames (256 samples each): ~93 ms at 22.05 kHz
+WINDOW = 32  # ~370 ms
+
+
+@dataclass
+class Utterance:
+    z: torch.Tensor  # [1, C, F] on the codec device
+    next_frame: int = 0
+
+    @property
+    def frames(self) -> int:
+        return int(self.z.shape[-1])
+
+
+@dataclass
+class PiperState:
+    utts: deque[Utterance] = field(default_factory=deque)
+    inflight: int = 0  # segments popped by the generator but not yet turned into latents
+    generator: torch.Generator | None = None
+    windows: int = 0
+
+    def busy(self) -> bool:
+        return bool(self.utts) or self.inflight > 0
+
+
+class PiperGenerateLane(Lane):
+    name = "piper.generate"
+    worker = "generator"
+    max_batch = 1  # one segment per step keeps steps short, so deadlines stay responsive
+
+    def __init__(self, backend: "PiperBackend") -> None:
+        super().__init__()
+        self.b = backend
+
+    def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
+        st: PiperState = job.engine_state
+        return job.has_text() and len(st.utts) < 4 and job.can_produce(time.monotonic())
+
+    def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
+        for job in jobs:
+            t0 = time.perf_counter()
+            st: PiperState = job.engine_state
+            with job.lock:
+                seg = job.next_segment_locked()
+                if seg is None:
+                    continue
+                st.inflight += 1
+            try:
+                utts = self.b.synthesize_latents(seg, job.params, st.generator)
+            finally:
+                with job.lock:
+                    st.inflight -= 1
+                    st.utts.extend(utts)
+            job.compute_s += time.perf_counter() - t0
+            if not utts:
+                job.finish_spurt()
+
+
+class PiperVocodeLane(Lane):
+    name = "piper.vocode"
+    worker = "codec"
+    max_batch = 8
+
+    def __init__(self, backend: "PiperBackend") -> None:
+        super().__init__()
+        self.b = backend
+
+    def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
+        st: PiperState = job.engine_state
+        return bool(st.utts) and job.can_produce(time.monotonic())
+
+    def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
+        t0 = time.perf_counter()
+        items = []
+        for job in jobs:
+            st: PiperState = job.engine_state
+            utt = st.utts[0]
+            size = FIRST_WINDOW if (utt.next_frame == 0 and job.seq == 0) else WINDOW
+            end = min(utt.frames, utt.next_frame + size)
+            items.append((job, utt, utt.next_frame, end))
+        pcms = self.b.vocode_batch([(u.z, s, e) for _, u, s, e in items])
+        share = (time.perf_counter() - t0) / len(items)
+        for (job, utt, start, end), pcm in zip(items, pcms, strict=True):
+            st = job.engine_state
+            job.compute_s += share
+            job.emit_pcm(pcm.reshape(-1).float().cpu().numpy(), frames=end - start)
+            utt.next_frame = end
+            st.windows += 1
+            if end >= utt.frames:
+                with job.lock:
+                    st.utts.popleft()
+                job.finish_spurt()
+
+
+class PiperBackend(TTSBackend):
+    """The embedded Piper voice (or any Piper .onnx voice) served through the scheduler."""
+
+    default_chunk_ms = 40
+
+    def __init__(self, onnx_path: str | None = None, generator_device: str = "cpu",
+                 codec_device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        from realtime.engines.vits import PiperVoice
+
+        t0 = time.perf_counter()
+        self.voice = PiperVoice.load(onnx_path, device=generator_device, dtype=dtype)
+        # The vocoder stage lives on its own device; on one device both stages share the weights.
+        self.vocoder = (self.voice if codec_device == generator_device
+                        else PiperVoice.load(onnx_path, device=codec_device, dtype=dtype))
+        self.codec_device = codec_device
+        self.native_rate = self.voice.sample_rate
+        self.name = f"piper-{self.voice.name}"
+        self.voices = (self.voice.name,)
+        log.info("loaded Piper voice %s (%d Hz) in %.2fs", self.voice.name, self.native_rate,
+                 time.perf_counter() - t0)
+
+    def lanes(self) -> list[Lane]:
+        return [PiperGenerateLane(self), PiperVocodeLane(self)]
+
+    def prepare(self, job: TTSJob) -> None:
+        gen = None
+        if job.params.seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(job.params.seed)
+        job.engine_state = PiperState(generator=gen)
+
+    def check(self, params: StartParams) -> None:
+        super().check(params)
+        if params.reference_audio is not None:
+            from realtime.errors import UnsupportedError
+
+            raise UnsupportedError("the Piper voice does not take reference audio; serve a CSM model for that")
+
+    def synthesize_latents(self, text: str, params: StartParams, generator: torch.Generator | None) -> list[Utterance]:
+        out = []
+        for phonemes in self.voice.phonemize(text):
+            ids = self.voice.phoneme_ids(phonemes)
+            if len(ids) <= 3:  # ^ _ $ only: nothing to say
+                continue
+            x = torch.tensor([ids], dtype=torch.long, device=self.voice.device)
+            z = self.voice.generate(x, length_scale=self.voice.config.length_scale / params.speed,
+                                    generator=generator)
+            out.append(Utterance(z.to(self.codec_device, non_blocking=True)))
+        return out
+
+    def vocode_batch(self, items: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+        return self.vocoder.vocode_batch(items)
+
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        params = StartParams(voice=None, format="pcm_f32le", sample_rate=self.native_rate, chunk_ms=None)
+        for utt in self.synthesize_latents("Warming up.", params, None):
+            self.vocode_batch([(utt.z, 0, min(utt.frames, WINDOW))])
+        log.info("warmed up Piper in %.2fs", time.perf_counter() - t0)

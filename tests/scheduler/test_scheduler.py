@@ -1,0 +1,159 @@
+"""The scheduler core without tensors: EDF picking, batching, background work, reaping, threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from realtime.errors import OverloadedError
+from realtime.scheduler import BACKGROUND_SLACK_S, Job, JobState, Lane, Priority, Scheduler, pick
+
+
+class FakeJob(Job):
+    def __init__(self, due: float, priority: Priority = Priority.REALTIME, work: int = 1) -> None:
+        super().__init__(now=due)
+        self.due = due
+        self.priority = priority
+        self.work = work
+        self.ran = 0
+
+    def deadline(self, now: float) -> float:
+        return super().deadline(now) if self.priority is Priority.BACKGROUND else self.due
+
+
+class FakeLane(Lane):
+    def __init__(self, name: str, max_batch: int = 2, worker: str = "generator") -> None:
+        super().__init__()
+        self.name, self.max_batch, self.worker = name, max_batch, worker
+        self.batches: list[list[int]] = []
+        self.released: list[int] = []
+
+    def is_ready(self, job: Job) -> bool:
+        return job.work > 0  # type: ignore[attr-defined]
+
+    def run(self, jobs: list[Job]) -> None:
+        self.batches.append([j.id for j in jobs])
+        for j in jobs:
+            j.work -= 1  # type: ignore[attr-defined]
+            j.ran += 1  # type: ignore[attr-defined]
+            if j.work == 0:  # type: ignore[attr-defined]
+                j.state = JobState.FINISHED
+
+    def release(self, job: Job) -> None:
+        self.released.append(job.id)
+
+
+def test_pick_serves_the_earliest_deadline_first_and_batches() -> None:
+    a, b = FakeLane("a", max_batch=2), FakeLane("b", max_batch=2)
+    j1, j2, j3, j4 = FakeJob(5.0), FakeJob(1.0), FakeJob(3.0), FakeJob(2.0)
+    for j in (j1, j3):
+        a.add(j)
+    for j in (j2, j4):
+        b.add(j)
+    choice = pick([a, b], now=0.0)
+    assert choice is not None and choice.lane is b
+    assert [j.id for j in choice.jobs] == [j2.id, j4.id]
+    j2.work = j4.work = 0
+    choice = pick([a, b], now=0.0)
+    assert choice is not None and choice.lane is a and [j.id for j in choice.jobs] == [j3.id, j1.id]
+
+
+def test_inactive_and_unready_jobs_are_skipped() -> None:
+    lane = FakeLane("a")
+    j1, j2 = FakeJob(1.0), FakeJob(2.0)
+    lane.add(j1)
+    lane.add(j2)
+    j1.cancel()
+    choice = pick([lane], now=0.0)
+    assert choice is not None and [j.id for j in choice.jobs] == [j2.id]
+    j2.work = 0
+    assert pick([lane], now=0.0) is None
+
+
+def test_background_work_fills_gaps_but_yields_to_due_speech() -> None:
+    speech, image = FakeLane("speech"), FakeLane("image")
+    img = FakeJob(0.0, Priority.BACKGROUND)
+    image.add(img)
+    far = FakeJob(100.0)  # speech with a deep buffer: due in 100 s
+    speech.add(far)
+    choice = pick([speech, image], now=0.0)
+    assert choice is not None and choice.lane is image
+    due = FakeJob(0.5 * BACKGROUND_SLACK_S)  # speech due sooner than the background slack
+    speech.add(due)
+    choice = pick([speech, image], now=0.0)
+    assert choice is not None and choice.lane is speech and choice.jobs[0] is due
+
+
+def test_scheduler_runs_jobs_on_worker_threads_and_reaps_them() -> None:
+    sched = Scheduler({"generator": "cpu", "codec": "cpu"}, max_jobs=3)
+    gen, codec = FakeLane("gen", worker="generator"), FakeLane("codec", worker="codec")
+    sched.add_lane(gen)
+    sched.add_lane(codec)
+    jobs = [FakeJob(time.monotonic(), work=3) for _ in range(3)]
+    for j in jobs:
+        sched.submit(j, [gen])
+    with pytest.raises(OverloadedError):
+        sched.submit(FakeJob(0.0), [gen])
+    sched.start()
+    try:
+        deadline = time.monotonic() + 5
+        while sched.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.active == 0
+        assert all(j.ran == 3 and j.state is JobState.FINISHED for j in jobs)
+        assert sorted(gen.released) == sorted(j.id for j in jobs)
+        assert all(len(b) <= gen.max_batch for b in gen.batches)
+    finally:
+        sched.stop()
+
+
+def test_a_cancelled_job_is_dropped_within_one_step() -> None:
+    sched = Scheduler({"generator": "cpu"})
+    gate = threading.Event()
+
+    class SlowLane(FakeLane):
+        def run(self, jobs: list[Job]) -> None:
+            gate.wait(2)
+            super().run(jobs)
+
+    lane = sched.add_lane(SlowLane("slow", max_batch=1))
+    job = FakeJob(0.0, work=1000)
+    sched.submit(job, [lane])
+    sched.start()
+    try:
+        time.sleep(0.05)
+        sched.cancel(job)
+        gate.set()
+        t0 = time.monotonic()
+        while sched.active and time.monotonic() - t0 < 2:
+            time.sleep(0.005)
+        assert sched.active == 0 and lane.released == [job.id]
+        assert job.ran <= 1  # at most the step that was already running
+    finally:
+        gate.set()
+        sched.stop()
+
+
+def test_a_failing_lane_fails_its_jobs_not_the_worker() -> None:
+    sched = Scheduler({"generator": "cpu"})
+
+    class Boom(FakeLane):
+        def run(self, jobs: list[Job]) -> None:
+            raise RuntimeError("engine bug")
+
+    boom = sched.add_lane(Boom("boom"))
+    ok = sched.add_lane(FakeLane("ok"))
+    bad_job, good_job = FakeJob(0.0), FakeJob(1.0)
+    sched.submit(bad_job, [boom])
+    sched.submit(good_job, [ok])
+    sched.start()
+    try:
+        t0 = time.monotonic()
+        while sched.active and time.monotonic() - t0 < 3:
+            time.sleep(0.01)
+        assert bad_job.state is JobState.FAILED and isinstance(bad_job.error, RuntimeError)
+        assert good_job.state is JobState.FINISHED
+    finally:
+        sched.stop()

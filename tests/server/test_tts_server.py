@@ -1,0 +1,218 @@
+"""A real uvicorn server on loopback with the embedded Piper voice and real websockets clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+import websockets
+
+from realtime.clients.tts import ServerError, TTSStream, synthesize_async
+from realtime.codecs.resample import unpack_pcm
+from realtime.config import ServerConfig
+from realtime.errors import ConfigError
+from realtime.protocol.frames import WireFormat
+from realtime.server import create_app
+
+from liveserver import serve
+
+SENTENCES = ["Hello there, ", "how are you today? ", "I hope the weather ", "is kind to you. ", "Goodbye."]
+
+
+@pytest.fixture(scope="module")
+def live(piper_backend):  # noqa: ANN001, ANN201
+    app = create_app(ServerConfig(max_frame_bytes=64 * 1024), tts=piper_backend)
+    with serve(app) as srv:
+        yield srv
+
+
+async def _wait_idle(live, timeout: float = 3.0) -> float:  # noqa: ANN001
+    t0 = time.monotonic()
+    while live.state.scheduler.active and time.monotonic() - t0 < timeout:
+        await asyncio.sleep(0.005)
+    return time.monotonic() - t0
+
+
+async def test_text_in_pieces_while_audio_streams(live) -> None:  # noqa: ANN001
+    async with TTSStream(f"{live.ws}/v1/tts", format="pcm_s16le", sample_rate=24000) as s:
+        assert s.ready is not None and s.ready["sample_rate"] == 24000 and s.ready["frame_samples"] == 960
+        await s.send_text(SENTENCES[0])
+        await s.send_text(SENTENCES[1])
+        chunks = []
+        it = s.__aiter__()
+        chunks.append(await it.__anext__())  # audio is flowing before the rest of the text is sent
+        for piece in SENTENCES[2:]:
+            await s.send_text(piece)
+            await asyncio.sleep(0.05)
+        await s.stop()
+        chunks += [c async for c in it]
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    audio = np.concatenate([c.samples("pcm_s16le") for c in chunks])
+    duration = len(audio) / 24000
+    assert 3.0 < duration < 12.0, duration
+    assert np.sqrt(np.mean(audio ** 2)) > 0.02  # speech, not silence
+    assert all(c.duration_ms == pytest.approx(40.0) for c in chunks[:-1])
+    assert abs(chunks[-1].start_ms + chunks[-1].duration_ms - duration * 1000) < 1.0
+    st = s.stats
+    assert st is not None
+    assert st["audio_ms"] == pytest.approx(duration * 1000, abs=1.0)
+    for key in ("ttfa_ms", "audio_ms", "frames", "rtf", "underruns", "underrun_ms", "max_underrun_ms"):
+        assert key in st
+    assert st["ttfa_ms"] > 0 and st["frames"] > 0 and st["rtf"] > 0
+
+
+async def test_json_frames_mulaw_8k(live) -> None:  # noqa: ANN001
+    async with TTSStream(f"{live.ws}/v1/tts", format="mulaw", sample_rate=8000, chunk_ms=20,
+                         wire=WireFormat.JSON) as s:
+        await s.send_text("Testing the telephone line.")
+        await s.flush()
+        await s.stop()
+        chunks = [c async for c in s]
+    assert all(len(c.audio) == 160 for c in chunks[:-1])  # 20 ms of 8 kHz μ-law = 160 bytes
+    audio = np.concatenate([unpack_pcm(c.audio, "mulaw") for c in chunks])
+    assert np.sqrt(np.mean(audio ** 2)) > 0.02
+
+
+async def test_stream_matches_offline_synthesis(live, piper_backend) -> None:  # noqa: ANN001
+    """What the server streams (with a seed) is the engine's whole-utterance output."""
+    text = "The quick brown fox jumps over the lazy dog."
+    audio, _ = await synthesize_async(f"{live.ws}/v1/tts", text, sample_rate=22050, extra={"seed": 7})
+    import torch
+
+    voice = piper_backend.voice
+    gen = torch.Generator().manual_seed(7)
+    parts = []
+    for ph in voice.phonemize(text):
+        z = voice.generate(torch.tensor([voice.phoneme_ids(ph)]), generator=gen)
+        parts.append(voice.vocode(z).reshape(-1).numpy())
+    ref = np.concatenate(parts)
+    assert len(audio) == len(ref)
+    assert np.abs(audio - ref).max() < 1e-3  # f32 on the wire; chunked vocoder == whole
+
+
+async def _raw(live, frames: list[bytes | str]) -> tuple[list[dict], int | None]:  # noqa: ANN001
+    async with websockets.connect(f"{live.ws}/v1/tts", max_size=None) as ws:
+        for f in frames:
+            await ws.send(f)
+        got = []
+        try:
+            while True:
+                data = await asyncio.wait_for(ws.recv(), 10)
+                got.append(msgpack.unpackb(data) if isinstance(data, bytes) else json.loads(data))
+        except websockets.ConnectionClosed:
+            pass
+        return got, ws.close_code
+
+
+@pytest.mark.parametrize("frames, code, close", [
+    ([msgpack.packb({"type": "hello"})], "unknown_type", 1008),
+    ([msgpack.packb({"type": "text", "text": "hi"})], "bad_state", 1008),
+    ([b"\xc1\xc1"], "invalid_frame", 1007),
+    (["{oops"], "invalid_frame", 1007),
+    ([msgpack.packb({"type": "start", "sample_rate": 44100})], "unsupported", 1003),
+    ([msgpack.packb({"type": "start", "format": "opus"})], "unsupported", 1003),
+    ([msgpack.packb({"type": "start", "voice": "nobody"})], "unsupported", 1003),
+    ([msgpack.packb({"type": "start"}), msgpack.packb({"type": "text"})], "missing_field", 1008),
+    ([msgpack.packb({"type": "start"}), msgpack.packb({"type": "text", "text": "x" * 70_000})], "too_large", 1009),
+])
+async def test_bad_input_gets_error_and_close_code(live, frames, code, close) -> None:  # noqa: ANN001
+    got, close_code = await _raw(live, frames)
+    errors = [g for g in got if g.get("type") == "error"]
+    assert len(errors) == 1 and errors[0]["code"] == code, got
+    assert "Traceback" not in errors[0]["message"] and "File " not in errors[0]["message"]
+    assert close_code == close
+    assert await _wait_idle(live) < 3.0
+
+
+async def test_disconnect_mid_stream_frees_the_slot(live) -> None:  # noqa: ANN001
+    ws = await websockets.connect(f"{live.ws}/v1/tts", max_size=None)
+    await ws.send(msgpack.packb({"type": "start"}))
+    await ws.recv()  # ready
+    await ws.send(msgpack.packb({"type": "text", "text": "This is a long story. " * 40}))
+    await ws.recv()  # first audio: the job is busy
+    assert live.state.scheduler.active == 1
+    ws.transport.abort()  # no close handshake: the client just vanishes
+    waited = await _wait_idle(live)
+    assert live.state.scheduler.active == 0
+    # "within one step": a Piper step is well under a second on this CPU
+    assert waited < 2.0, waited
+
+
+async def test_cancel_stops_at_once(live) -> None:  # noqa: ANN001
+    async with TTSStream(f"{live.ws}/v1/tts") as s:
+        await s.send_text("This is a long story that goes on and on. " * 20)
+        it = s.__aiter__()
+        await it.__anext__()
+        await s.cancel()
+        rest = [c async for c in it]
+    assert s.stats is not None and s.stats["cancelled"] is True
+    assert len(rest) < 50  # at most what was already in flight
+    assert await _wait_idle(live) < 2.0
+
+
+async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
+    async with httpx.AsyncClient(base_url=live.http, timeout=60) as client:
+        h = (await client.get("/health")).json()
+        assert h["status"] == "ok"
+        m = (await client.get("/metrics")).text
+        assert "realtime_tts_ttfa_seconds_bucket" in m and "realtime_active_streams" in m
+        assert "realtime_tts_underruns_total" in m and 'realtime_lane_ready{lane="piper.vocode"}' in m
+        models = (await client.get("/v1/models")).json()
+        assert models["data"][0]["kind"] == "tts"
+        body = {"model": "tts-1", "input": "Hello from the speech endpoint.", "voice": "alloy",
+                "response_format": "wav"}
+        got = b""
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+            async for part in r.aiter_bytes():
+                got += part
+        assert got[:4] == b"RIFF" and len(got) > 44 + 22050  # > 0.5 s of 16-bit audio
+        pcm = np.frombuffer(got[44:], dtype="<i2")
+        assert np.abs(pcm).max() > 1000
+        r = await client.post("/v1/audio/speech", json={"input": "x", "response_format": "mp3"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+        r = await client.post("/v1/audio/speech", content=b"not json")
+        assert r.status_code == 400
+        r = await client.post("/v1/audio/speech", json={"input": ""})
+        assert r.status_code == 400
+
+
+async def test_concurrent_streams_have_no_long_gaps(live) -> None:  # noqa: ANN001
+    async def one(i: int) -> dict:
+        _, stats = await synthesize_async(f"{live.ws}/v1/tts", f"Stream number {i} is speaking now.")
+        return stats
+
+    stats = await asyncio.gather(*(one(i) for i in range(4)))
+    for st in stats:
+        assert st["audio_ms"] > 1000 and st["client_gaps"]["chunks"] == st["chunks"]
+
+
+def test_auth_required_off_loopback() -> None:
+    with pytest.raises(ConfigError, match="api-key"):
+        create_app(ServerConfig(host="0.0.0.0"))
+    create_app(ServerConfig(host="0.0.0.0", api_key="k"))  # fine with a key
+
+
+async def test_api_key(piper_backend) -> None:  # noqa: ANN001
+    app = create_app(ServerConfig(api_key="sekrit", warmup=False), tts=piper_backend)
+    with serve(app) as srv:
+        with pytest.raises(websockets.InvalidStatus):
+            async with websockets.connect(f"{srv.ws}/v1/tts"):
+                pass
+        async with TTSStream(f"{srv.ws}/v1/tts", api_key="sekrit") as s:
+            assert s.ready is not None
+        async with TTSStream(f"{srv.ws}/v1/tts?token=sekrit") as s:
+            assert s.ready is not None
+        with pytest.raises(websockets.InvalidStatus):
+            async with websockets.connect(f"{srv.ws}/v1/tts?token=wrong"):
+                pass
+        async with httpx.AsyncClient(base_url=srv.http) as client:
+            assert (await client.get("/metrics")).status_code == 401
+            r = await client.get("/metrics", headers={"Authorization": "Bearer sekrit"})
+            assert r.status_code == 200
+            assert (await client.get("/health")).status_code == 200  # probes stay open
