@@ -269,7 +269,8 @@ class Transformer(nn.Module):
     def _apply(self, fn, recurse=True):  # keep inv_freq float32 under .to(bfloat16), like HF
         inv = self.inv_freq
         out = super()._apply(fn, recurse)
-        self.inv_freq = inv.to(device=self.norm.weight.device, dtype=torch.float32)
+        if not inv.is_meta:
+            self.inv_freq = inv.to(device=self.inv_freq.device, dtype=torch.float32)
         return out
 
     def forward(
