@@ -227,3 +227,64 @@ def test_tiny_en_batched_streams_equal_single(tiny):
     singles = [tiny.decode_greedy(tiny.encode(mel[i : i + 1]))[0] for i in range(2)]
     assert ids == singles
     assert _norm(tiny.decode_text(ids[0])) == _norm(ARCTIC_TEXT)
+
+
+# --------------------------------------------------------------------------------------------
+# CTranslate2 reader
+
+
+def test_ct2_reader_facts_on_tiny_en():
+    from realtime.engines.ct2 import read_ct2
+
+    f = read_ct2(default_model_dir() / "model.bin")
+    assert (f.binary_version, f.spec_name, f.revision) == (6, "WhisperSpec", 3)
+    assert len(f.variables) == 148
+    assert f.aliases == {"decoder/projection/weight": "decoder/embeddings/weight"}
+    emb = f.raw("decoder/projection/weight")
+    assert emb.dtype == torch.float16 and tuple(emb.shape) == (51864, 384)
+    assert emb.data_ptr() == f.raw("decoder/embeddings/weight").data_ptr()
+    qkv_bias = f.raw("encoder/layer_0/self_attention/linear_0/bias")
+    assert tuple(qkv_bias.shape) == (1152,) and not qkv_bias[384:768].any()  # k has no bias
+    assert f.scalar("encoder/num_heads") == 6 and f.scalar("decoder/num_heads") == 6
+    assert tuple(f.raw("encoder/conv1/weight").shape) == (384, 80, 3)
+
+
+def _ct2_string(s: str) -> bytes:
+    import struct
+
+    b = s.encode() + b"\0"
+    return struct.pack("<H", len(b)) + b
+
+
+def test_ct2_reader_round_trip_int8_bf16_alias(tmp_path):
+    import struct
+
+    from realtime.engines.ct2 import read_ct2
+    from realtime.errors import ModelFormatError
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, generator=g)
+    scale = 127.0 / w.abs().amax(1)
+    q = torch.round(w * scale[:, None]).to(torch.int8)
+    bf = torch.randn(4, generator=g).to(torch.bfloat16)
+    heads = torch.tensor(7, dtype=torch.int16)
+
+    def var(name: str, t: torch.Tensor, code: int) -> bytes:
+        data = t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        return (_ct2_string(name) + struct.pack("<B", t.dim()) + struct.pack(f"<{t.dim()}I", *t.shape)
+                + struct.pack("<BI", code, len(data)) + data)
+
+    blob = (struct.pack("<I", 6) + _ct2_string("WhisperSpec") + struct.pack("<I", 3)
+            + struct.pack("<I", 4) + var("a/weight", q, 1) + var("a/weight_scale", scale, 0)
+            + var("b/x", bf, 5) + var("n", heads, 2)
+            + struct.pack("<I", 1) + _ct2_string("c/weight") + _ct2_string("a/weight"))
+    p = tmp_path / "model.bin"
+    p.write_bytes(blob)
+    f = read_ct2(p)
+    assert len(f.variables) == 4 and f.raw("a/weight").dtype == torch.int8
+    torch.testing.assert_close(f.tensor("c/weight"), q.float() / scale[:, None])
+    assert (f.tensor("c/weight") - w).abs().max() <= (0.5 / scale).max() + 1e-6
+    assert torch.equal(f.raw("b/x"), bf) and f.scalar("n") == 7
+    p.write_bytes(blob[:-3])
+    with pytest.raises(ModelFormatError):
+        read_ct2(p)
