@@ -469,6 +469,8 @@ class KVState:
 
     def reset(self, mask: torch.Tensor) -> None:
         self.kv_pos.masked_fill_(mask[:, None], -1)
+        # RoPE scores and the window mask depend on position differences only, so restarting at 0 is
+        # not needed for correctness; it keeps positions small (fp32 RoPE precision on long sessions).
         self.pos.masked_fill_(mask, 0)
 
 

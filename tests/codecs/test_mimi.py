@@ -163,21 +163,25 @@ def test_streamed_prefix_equals_offline_of_longer_sequence(ours):
     _close(_stream_decode(ours, codes[:, :, :9], 1), ours.decode(codes)[..., : 9 * ours.frame_size])
 
 
-def test_streaming_decode_batch_with_reset(ours):
+@pytest.mark.parametrize("first", [9, 1])
+def test_streaming_decode_batch_with_reset(ours, first):
+    # Slot 0 streams A throughout; slot 1 streams B for `first` frames, is reset alone, then streams C
+    # in chunks of 2.  first=1 leaves stale ring entries at positions the restarted stream reaches
+    # inside its first chunk, so a reset that forgot the KV positions would be caught.
     fs = ours.frame_size
-    a, b, c = _codes(3, b=1), _codes(4, b=1, t=9), _codes(5, b=1)
+    a, b, c = _codes(3, b=1), _codes(4, b=1, t=first), _codes(5, b=1)
     dec = ours.streaming_decoder(2)
     buffers = [dec.upsample_tail, dec.kv.k, dec.kv.v, dec.kv.kv_pos, dec.kv.pos, *dec.convs]
     ptrs = [t.data_ptr() for t in buffers]
     out0, out1 = [], []
-    for i in range(9):  # slot 0: stream A; slot 1: stream B
+    for i in range(first):
         y = dec.step(torch.cat([a[:, :, i: i + 1], b[:, :, i: i + 1]]))
         out0.append(y[0:1]); out1.append(y[1:2])
     dec.reset(torch.tensor([False, True]))  # restart slot 1 only, slot 0 continues
     out1_new = []
-    for i in range(9, T, 2):
+    for i in range(first, T, 2):
         n = min(2, T - i)
-        y = dec.step(torch.cat([a[:, :, i: i + n], c[:, :, i - 9: i - 9 + n]]))
+        y = dec.step(torch.cat([a[:, :, i: i + n], c[:, :, i - first: i - first + n]]))
         out0.append(y[0:1]); out1_new.append(y[1:2])
     _close(torch.cat(out0, -1), ours.decode(a))
     _close(torch.cat(out1, -1), ours.decode(b))
