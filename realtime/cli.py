@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -29,6 +31,9 @@ def _serve(args: argparse.Namespace) -> int:
         allow_no_auth=args.no_auth, max_frame_bytes=args.max_frame_bytes, max_streams=args.max_streams,
         generator_device=args.generator_device, codec_device=args.codec_device or args.generator_device,
         dtype=args.dtype, tts_model=args.tts_model, warmup=not args.no_warmup,
+        asr_model=args.asr_model, text_model=args.text_model, image_model=args.image_model,
+        enable_asr=not args.no_asr and _have("realtime.asr_service"),
+        enable_text=not args.no_text and _have("realtime.text_service"),
     )
     try:
         app = create_app(cfg)
@@ -38,6 +43,14 @@ def _serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
                 ws_max_size=max(cfg.max_frame_bytes * 2, 1 << 16), ws_ping_interval=20, ws_ping_timeout=20)
     return 0
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+# Services that add their own subcommands (transcribe, chat, agent, image) via add_cli(subparsers).
+CLI_MODULES = ("realtime.asr_service", "realtime.text_service", "realtime.agent_service", "realtime.image_service")
 
 
 def _write_wav(path: str, audio: np.ndarray, rate: int) -> None:
@@ -98,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env REALTIME_API_KEY)")
     s.add_argument("--no-auth", action="store_true", help="allow a non-loopback bind without a key")
     s.add_argument("--tts-model", default=None, help="a CSM checkpoint folder or a Piper .onnx (default: embedded voice)")
+    s.add_argument("--asr-model", default=None, help="Whisper folder (HF or CTranslate2); default: embedded tiny.en")
+    s.add_argument("--text-model", default=None, help="Llama/Qwen3 folder or .gguf; default: embedded SmolLM2")
+    s.add_argument("--image-model", default=None, help="DiT folder with transformer/ and vae/")
+    s.add_argument("--no-asr", action="store_true", help="do not serve speech recognition")
+    s.add_argument("--no-text", action="store_true", help="do not serve text generation")
     s.add_argument("--max-frame-bytes", type=int, default=1 << 20)
     s.add_argument("--max-streams", type=int, default=256)
     s.add_argument("--no-warmup", action="store_true")
@@ -116,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     y.add_argument("--save-codes", default=None, help="with --local and CSM: save codec codes (.npy)")
     _add_devices(y)
     y.set_defaults(fn=_say)
+
+    for name in CLI_MODULES:
+        if _have(name):
+            importlib.import_module(name).add_cli(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

@@ -8,7 +8,7 @@ import json
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +24,7 @@ from realtime.errors import AuthError, ProtocolError, RealtimeError, Unsupported
 from realtime.metrics import Gauge, Metrics
 from realtime.protocol.tts import StartParams, parse_start
 from realtime.scheduler import Scheduler
+from realtime.service import Service
 from realtime.sessions import Connection, TTSSession
 from realtime.tts import END, SPURT_END, AudioChunk, TTSBackend
 
@@ -42,6 +43,7 @@ class AppState:
     scheduler: Scheduler
     tts: TTSBackend
     metrics: Metrics
+    services: dict[str, Service] = field(default_factory=dict)
     sessions: set[asyncio.Task[Any]] = field(default_factory=set)
     websockets: set[WebSocket] = field(default_factory=set)
     accepting: bool = True
@@ -60,7 +62,7 @@ def load_tts(config: ServerConfig) -> TTSBackend:
     return CSMBackend(config.tts_model, config.generator_device, config.codec_device, dtype)
 
 
-def _authorized(config: ServerConfig, headers: Any, query: Any) -> bool:
+def authorized(config: ServerConfig, headers: Any, query: Any) -> bool:
     if config.api_key is None:
         return True
     auth = headers.get("authorization", "")
@@ -68,10 +70,35 @@ def _authorized(config: ServerConfig, headers: Any, query: Any) -> bool:
     return hmac.compare_digest(token.encode(), config.api_key.encode())
 
 
-def create_app(config: ServerConfig, tts: TTSBackend | None = None) -> Starlette:
-    """Build the app. ``tts`` may be given (tests, bench); otherwise it loads at startup."""
+def default_services(config: ServerConfig) -> list[Service]:
+    """The services `realtime serve` runs besides TTS, from the config."""
+    out: list[Service] = []
+    if config.enable_asr:
+        from realtime.asr_service import ASRService
+
+        out.append(ASRService(config))
+    if config.enable_text:
+        from realtime.text_service import TextService
+
+        out.append(TextService(config))
+    if config.image_model:
+        from realtime.image_service import ImageService
+
+        out.append(ImageService(config))
+    if config.enable_asr and config.enable_text:
+        from realtime.agent_service import AgentService
+
+        out.append(AgentService(config))
+    return out
+
+
+def create_app(config: ServerConfig, tts: TTSBackend | None = None,
+               services: list[Service] | None = None) -> Starlette:
+    """Build the app. ``tts`` may be given (tests, bench); otherwise it loads at startup.
+    ``services`` defaults to what the config enables; pass [] for TTS only."""
     config.check_auth()
     holder: dict[str, AppState] = {}
+    svcs = default_services(config) if services is None else services
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -80,15 +107,22 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None) -> Starlette
         scheduler = Scheduler({"generator": config.generator_device, "codec": config.codec_device},
                               max_jobs=config.max_streams)
         metrics = Metrics()
-        state = AppState(config, scheduler, backend, metrics)
+        state = AppState(config, scheduler, backend, metrics, services={s.name: s for s in svcs})
         backend._registered(scheduler)
+        for svc in svcs:
+            log.info("loading %s", svc.name)
+            await asyncio.to_thread(svc.load)
+            svc.attach(scheduler)
         metrics.gauges.append(Gauge("realtime_active_streams", "Jobs in flight",
                                     lambda: {"": scheduler.active}))
         metrics.gauges.append(Gauge("realtime_lane_ready", "Jobs ready per lane (queue depth)",
                                     lambda: {f'{{lane="{ln.name}"}}': len(ln.ready_jobs())
                                              for ln in scheduler.lanes()}))
-        if config.warmup and hasattr(backend, "warmup"):
-            await asyncio.to_thread(backend.warmup)
+        if config.warmup:
+            if hasattr(backend, "warmup"):
+                await asyncio.to_thread(backend.warmup)
+            for svc in svcs:
+                await asyncio.to_thread(svc.warmup)
         scheduler.start()
         holder["state"] = state
         app.state.realtime = state
@@ -120,52 +154,37 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None) -> Starlette
 
     async def metrics(request: Request) -> Response:
         state = st(request)
-        if not _authorized(config, request.headers, request.query_params):
+        if not authorized(config, request.headers, request.query_params):
             return JSONResponse({"error": {"code": "unauthorized", "message": "missing or bad API key"}}, 401)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(request: Request) -> Response:
         state = st(request)
-        if not _authorized(config, request.headers, request.query_params):
+        if not authorized(config, request.headers, request.query_params):
             return JSONResponse({"error": {"code": "unauthorized", "message": "missing or bad API key"}}, 401)
-        return JSONResponse({"object": "list", "data": [state.tts.describe()]})
+        data = [state.tts.describe()] + [d for svc in state.services.values() for d in svc.describe()]
+        return JSONResponse({"object": "list", "data": data})
 
     async def tts_ws(ws: WebSocket) -> None:
-        state = st(ws)
-        if not _authorized(config, ws.headers, ws.query_params):
-            await ws.close(code=AuthError.close_code, reason="unauthorized")
-            return
-        if not state.accepting:
-            await ws.close(code=1012, reason="server restarting")
-            return
-        await ws.accept()
-        state.websockets.add(ws)
-        task = asyncio.current_task()
-        assert task is not None
-        state.sessions.add(task)
-        try:
-            await TTSSession(state, Connection(ws, config.max_frame_bytes)).run()
-        finally:
-            state.sessions.discard(task)
-            state.websockets.discard(ws)
+        await run_websocket(st(ws), ws, lambda state, conn: TTSSession(state, conn).run())
 
     async def speech(request: Request) -> Response:
         state = st(request)
-        if not _authorized(config, request.headers, request.query_params):
-            return _http_error(AuthError("missing or bad API key"), 401)
+        if not authorized(config, request.headers, request.query_params):
+            return http_error(AuthError("missing or bad API key"), 401)
         try:
-            body = await _json_body(request, config.max_frame_bytes)
+            body = await json_body(request, config.max_frame_bytes)
             params, text, media = _speech_params(body, state.tts)
             job = state.tts.new_job(params)
         except RealtimeError as exc:
-            return _http_error(exc, 400)
+            return http_error(exc, 400)
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         job.output.bind(loop, wake)
         try:
             state.tts.submit(state.scheduler, job)
         except RealtimeError as exc:
-            return _http_error(exc, 503)
+            return http_error(exc, 503)
         job.push_text(text)
         job.stop()
         state.scheduler.wake()
@@ -203,10 +222,33 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None) -> Starlette
         Route("/v1/audio/speech", speech, methods=["POST"]),
         WebSocketRoute("/v1/tts", tts_ws),
     ]
+    for svc in svcs:
+        routes.extend(svc.routes(lambda: holder["state"]))
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-async def _json_body(request: Request, limit: int) -> dict[str, Any]:
+async def run_websocket(state: AppState, ws: WebSocket,
+                        handler: Callable[[AppState, Connection], Awaitable[None]]) -> None:
+    """Auth, accept, track for ordered shutdown, then hand the connection to ``handler``."""
+    if not authorized(state.config, ws.headers, ws.query_params):
+        await ws.close(code=AuthError.close_code, reason="unauthorized")
+        return
+    if not state.accepting:
+        await ws.close(code=1012, reason="server restarting")
+        return
+    await ws.accept()
+    state.websockets.add(ws)
+    task = asyncio.current_task()
+    assert task is not None
+    state.sessions.add(task)
+    try:
+        await handler(state, Connection(ws, state.config.max_frame_bytes))
+    finally:
+        state.sessions.discard(task)
+        state.websockets.discard(ws)
+
+
+async def json_body(request: Request, limit: int) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > limit:
         raise ProtocolError(f"body over {limit} bytes", code="too_large")
@@ -244,5 +286,5 @@ def _wav_header(rate: int) -> bytes:
             struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFFF))
 
 
-def _http_error(exc: RealtimeError, status: int) -> Response:
+def http_error(exc: RealtimeError, status: int) -> Response:
     return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=status)

@@ -24,7 +24,7 @@ from realtime.tts import TTSBackend, TTSJob
 log = logging.getLogger("realtime.piper")
 
 FIRST_WINDOW = 8  # latent frames (256 samples each): ~93 ms at 22.05 kHz
-WINDOW = 32  # ~370 ms
+MAX_WINDOW = 64  # ~740 ms
 
 
 @dataclass
@@ -96,11 +96,19 @@ class PiperVocodeLane(Lane):
 
     def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
         t0 = time.perf_counter()
+        now = time.monotonic()
         items = []
         for job in jobs:
             st: PiperState = job.engine_state
             utt = st.utts[0]
-            size = FIRST_WINDOW if (utt.next_frame == 0 and job.seq == 0) else WINDOW
+            # A window may hold as much audio as the client already has buffered: at RTF < 1 it is
+            # then ready before the buffer runs dry. Each window costs 2*context extra frames, so
+            # bigger is cheaper per sample; the first one is small for a quick first chunk.
+            # Sizes are powers of two so windows of different streams batch together.
+            buffered = int(job.ahead_s(now) * self.b.native_rate / self.b.voice.hop)
+            size = FIRST_WINDOW
+            while size * 2 <= min(MAX_WINDOW, buffered):
+                size *= 2
             end = min(utt.frames, utt.next_frame + size)
             items.append((job, utt, utt.next_frame, end))
         pcms = self.b.vocode_batch([(u.z, s, e) for _, u, s, e in items])
@@ -173,5 +181,5 @@ class PiperBackend(TTSBackend):
         t0 = time.perf_counter()
         params = StartParams(voice=None, format="pcm_f32le", sample_rate=self.native_rate, chunk_ms=None)
         for utt in self.synthesize_latents("Warming up.", params, None):
-            self.vocode_batch([(utt.z, 0, min(utt.frames, WINDOW))])
+            self.vocode_batch([(utt.z, 0, min(utt.frames, MAX_WINDOW))])
         log.info("warmed up Piper in %.2fs", time.perf_counter() - t0)

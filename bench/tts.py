@@ -1,0 +1,185 @@
+"""TTS benchmark against a real server on loopback: TTFA, RTF, concurrency sweep with underruns.
+
+    python bench/tts.py                                  # embedded Piper voice on the CPU
+    python bench/tts.py --concurrency 1 8 --rounds 10    # smaller run
+    python bench/tts.py --tts-model /path/csm --generator-device cuda:0 --codec-device cuda:0
+
+Starts uvicorn with the model in this process, then drives it with real WebSocket clients.
+TTFA is measured on the client: text sent → first audio chunk received. Prints a table, writes
+JSON (bench/results/) and a PNG plot (docs/). Warm-up rounds are not counted; medians and p95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "server"))
+
+PROMPTS = {
+    "hello": "Hello.",
+    "sentences": ("The committee met on Tuesday to discuss the new budget. After a long debate, they "
+                  "agreed to fund the library renovation. Work will begin early next spring."),
+}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+async def one_stream(url: str, text: str, rate: int, start_delay: float = 0.0) -> dict:
+    from realtime.clients.tts import TTSStream
+
+    await asyncio.sleep(start_delay)
+    t_open = time.monotonic()
+    async with TTSStream(url, format="pcm_s16le", sample_rate=rate) as s:
+        await s.send_text(text)
+        await s.stop()
+        n = 0
+        async for c in s:
+            n += len(c.audio) // 2
+    wall = time.monotonic() - t_open
+    gaps = s.gaps.stats()
+    return {"ttfa_ms": s.ttfa_ms, "audio_s": n / rate, "wall_s": wall, "server": s.stats,
+            "client_underruns": gaps["underruns"], "client_max_underrun_ms": gaps["max_underrun_ms"],
+            "client_underruns_over_100ms": gaps["underruns_over_100ms"]}
+
+
+async def sweep_level(url: str, text: str, rate: int, n: int, arrival_s: float) -> dict:
+    # open-loop arrivals: stream i starts at i * arrival_s / n, whether or not earlier ones finished
+    t0 = time.monotonic()
+    res = await asyncio.gather(*(one_stream(url, text, rate, i * arrival_s / max(n, 1)) for i in range(n)))
+    wall = time.monotonic() - t0
+    ttfa = [r["ttfa_ms"] for r in res if r["ttfa_ms"] is not None]
+    audio = sum(r["audio_s"] for r in res)
+    return {"streams": n, "ttfa_p50_ms": pct(ttfa, 50), "ttfa_p95_ms": pct(ttfa, 95),
+            "rtf_p50": pct([r["server"]["rtf"] for r in res], 50),
+            "underruns_total": sum(r["client_underruns"] for r in res),
+            "streams_zero_underrun": sum(r["client_underruns"] == 0 for r in res),
+            "streams_gap_over_100ms": sum(r["client_underruns_over_100ms"] > 0 for r in res),
+            "max_underrun_ms": max(r["client_max_underrun_ms"] for r in res),
+            "aggregate_audio_s_per_s": audio / wall, "wall_s": wall}
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tts-model", default=None)
+    ap.add_argument("--generator-device", default="cpu")
+    ap.add_argument("--codec-device", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--arrival-s", type=float, default=1.0, help="open-loop arrival window per sweep level")
+    ap.add_argument("--rate", type=int, default=24000)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tts.json"))
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "tts_bench.png"))
+    args = ap.parse_args()
+
+    from liveserver import serve
+
+    from realtime.config import ServerConfig
+    from realtime.server import create_app, load_tts
+
+    cfg = ServerConfig(generator_device=args.generator_device, codec_device=args.codec_device or args.generator_device,
+                       dtype=args.dtype, tts_model=args.tts_model, max_streams=1024)
+    log(f"loading model ({args.tts_model or 'embedded Piper voice'}) on {cfg.generator_device}/{cfg.codec_device}")
+    backend = load_tts(cfg)
+    app = create_app(cfg, tts=backend)
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": platform.machine(),
+                     "cpu_count": os.cpu_count(), "model": backend.name, "devices": [cfg.generator_device, cfg.codec_device]}
+    try:
+        import torch
+
+        results["torch"] = torch.__version__
+        results["threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            results["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    with serve(app) as live:
+        url = f"{live.ws}/v1/tts"
+
+        async def run() -> None:
+            log(f"warm-up: {args.warmup} rounds")
+            for i in range(args.warmup):
+                await one_stream(url, PROMPTS["hello"] if i % 2 else PROMPTS["sentences"], args.rate)
+            single = {}
+            for name, text in PROMPTS.items():
+                log(f"single stream, prompt '{name}': {args.rounds} rounds")
+                rs = [await one_stream(url, text, args.rate) for _ in range(args.rounds)]
+                ttfa = [r["ttfa_ms"] for r in rs]
+                single[name] = {"ttfa_p50_ms": pct(ttfa, 50), "ttfa_p95_ms": pct(ttfa, 95),
+                                "rtf_p50": pct([r["server"]["rtf"] for r in rs], 50),
+                                "audio_s": rs[0]["audio_s"],
+                                "wall_rtf_p50": pct([r["wall_s"] / r["audio_s"] for r in rs], 50),
+                                "underruns": sum(r["client_underruns"] for r in rs), "ttfa_all_ms": ttfa}
+            results["single"] = single
+            sweep = []
+            for n in args.concurrency:
+                log(f"concurrency {n}: open-loop arrivals over {args.arrival_s}s")
+                sweep.append(await sweep_level(url, PROMPTS["sentences"], args.rate, n, args.arrival_s))
+            results["sweep"] = sweep
+
+        asyncio.run(run())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print()
+    print(f"model {results['model']} on {results['devices']}  commit {results['commit']}  {results['date']}")
+    print(f"{'prompt':<12}{'TTFA p50 ms':>14}{'TTFA p95 ms':>14}{'RTF p50':>10}{'wall RTF':>10}{'underruns':>11}")
+    for name, r in results["single"].items():
+        print(f"{name:<12}{r['ttfa_p50_ms']:>14.1f}{r['ttfa_p95_ms']:>14.1f}{r['rtf_p50']:>10.3f}"
+              f"{r['wall_rtf_p50']:>10.3f}{r['underruns']:>11d}")
+    print(f"\n{'streams':<9}{'TTFA p50':>10}{'TTFA p95':>10}{'RTF p50':>9}{'zero-gap':>10}{'gap>100ms':>11}"
+          f"{'max gap ms':>12}{'audio s/s':>11}")
+    for r in results["sweep"]:
+        print(f"{r['streams']:<9}{r['ttfa_p50_ms']:>10.1f}{r['ttfa_p95_ms']:>10.1f}{r['rtf_p50']:>9.3f}"
+              f"{r['streams_zero_underrun']:>10d}{r['streams_gap_over_100ms']:>11d}{r['max_underrun_ms']:>12.1f}"
+              f"{r['aggregate_audio_s_per_s']:>11.2f}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        for name, r in results["single"].items():
+            a.hist(r["ttfa_all_ms"], bins=15, alpha=0.6, label=name)
+        a.set_xlabel("TTFA (ms), one stream"); a.set_ylabel("rounds"); a.legend()
+        xs = [r["streams"] for r in results["sweep"]]
+        b.plot(xs, [r["ttfa_p50_ms"] for r in results["sweep"]], "o-", label="TTFA p50")
+        b.plot(xs, [r["ttfa_p95_ms"] for r in results["sweep"]], "s--", label="TTFA p95")
+        b.set_xlabel("concurrent streams"); b.set_ylabel("ms"); b.set_xscale("log", base=2); b.legend()
+        fig.suptitle(f"{results['model']} on {'/'.join(results['devices'])} ({results['date']}, {results['commit']})")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        log(f"wrote {args.out} and {args.plot}")
+    except ImportError:
+        log(f"wrote {args.out} (matplotlib missing: no plot)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
