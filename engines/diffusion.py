@@ -329,21 +329,22 @@ class DiTEngine:
         cfg = self.dit.cfg
         b, c, gc = len(states), cfg.in_channels, self.guidance_channels
         dev = self.device
-        # One host->device copy for all per-request scalars.
+        # One host->device copy for all per-request scalars (labels and indices < 2^24: exact in fp32).
         host = torch.stack([s.coefs[s.step_index] for s in states])  # [B, 7]
-        labels = torch.tensor([s.class_label for s in states], dtype=torch.long)
         guided = [i for i, s in enumerate(states) if s.guidance_scale > 1]
-        g = torch.tensor([states[i].guidance_scale for i in guided], dtype=torch.float32)
-        packed = torch.cat([host.flatten(), g]).to(dev, non_blocking=True)
-        coef, g = packed[: b * 7].view(b, 7, 1, 1, 1), packed[b * 7 :].view(-1, 1, 1, 1)
-        labels = labels.to(dev, non_blocking=True)
+        small = [float(s.class_label) for s in states] + guided + [states[i].guidance_scale for i in guided]
+        packed = torch.cat([host.flatten(), torch.tensor(small, dtype=torch.float32)]).to(dev, non_blocking=True)
+        ng = len(guided)
+        coef = packed[: b * 7].view(b, 7, 1, 1, 1)
+        labels = packed[b * 7 : b * 8].long()
+        gi = packed[b * 8 : b * 8 + ng].long()
+        g = packed[b * 8 + ng :].view(-1, 1, 1, 1)
 
         x = torch.stack([s.latents for s in states])  # [B, C, S, S] float32
         x_in = x * coef[:, _IN]
         t_in = coef[:, _T, 0, 0, 0]
         y_in = labels
         if guided:
-            gi = torch.tensor(guided, dtype=torch.long, device=dev)
             x_in = torch.cat([x_in, x_in[gi]])
             t_in = torch.cat([t_in, t_in[gi]])
             y_in = torch.cat([labels, torch.full((len(guided),), cfg.num_classes, dtype=torch.long, device=dev)])
