@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from realtime.engines.sampling import sample
-from realtime.engines.transformer import KVCache, Transformer, TransformerConfig
+from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, rope_frequencies
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM"]
@@ -264,9 +264,27 @@ class CSM(nn.Module):
             except Exception as e:  # tokenizers raises a bare Exception on malformed files
                 raise ModelFormatError(f"cannot load {tok_path}: {e}") from None
         sd = _read_safetensors(root)
-        model = cls(config, tokenizer)
+        model = cls._empty(config, tokenizer)
         model.load_hf_state_dict(sd)
         return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def _empty(cls, config: CSMConfig, tokenizer: Any | None) -> "CSM":
+        """A CSM with uninitialised weights on the CPU (every one is overwritten by the strict loader).
+
+        Built on the meta device because random init of CSM-1B takes ~45 s on a small CPU.
+        """
+        try:
+            with torch.device("meta"):
+                model = cls(config, tokenizer)
+            model.to_empty(device="cpu")
+        except (NotImplementedError, RuntimeError):  # a submodule that cannot leave the meta device
+            return cls(config, tokenizer)
+        # Non-persistent buffers are not in the checkpoint: recompute what to_empty left undefined.
+        model.audio_offsets = torch.arange(config.num_codebooks) * config.audio_vocab_size
+        for stack in (model.backbone, model.depth):
+            stack.inv_freq = rope_frequencies(stack.cfg)
+        return model
 
     def load_hf_state_dict(self, sd: Mapping[str, Tensor]) -> None:
         """Take weights from an HF CsmForConditionalGeneration state dict (strict; codec_model.* ignored)."""
@@ -450,7 +468,7 @@ class CSM(nn.Module):
 
     @torch.no_grad()
     def prefill(self, state: CSMBatchState, slot: int, prompt: CSMPrompt | Tensor) -> None:
-        """Run the prompt through the backbone into ``slot`` (which starts over from position 0)."""
+        """Run the prompt through the backbone into ``slot`` (reset first; it starts over at position 0)."""
         if not isinstance(prompt, CSMPrompt):
             prompt = self.prompt_from_ids(prompt)
         if not 0 <= slot < state.n_slots:
@@ -459,6 +477,9 @@ class CSM(nn.Module):
         if t >= state.max_seq_len:
             raise UnsupportedError(f"prompt of {t} positions does not fit the {state.max_seq_len}-position cache")
         dev = self.device
+        # Zero the slot first: masked-out stale keys cannot matter, but a NaN left in a stale value row
+        # would survive its zero attention weight (0 * NaN).
+        state.reset([slot])
         x = self.embed_prompt(prompt)[None]
         pos = torch.arange(t, device=dev)[None]
         slots = torch.tensor([slot], dtype=torch.long, device=dev)
@@ -487,12 +508,16 @@ class CSM(nn.Module):
         codes are all ``codebook_eos_token_id`` is finished; the caller stops it (see ``is_eos``).
         """
         k, dev = self.num_codebooks, self.device
-        if torch.as_tensor(slots).device.type == "cpu":  # host-side capacity check; free of device syncs
-            for s in torch.as_tensor(slots).tolist():
-                if state.lengths[s] == 0:
+        if torch.as_tensor(slots).device.type == "cpu":  # host-side checks; free of device syncs
+            listed = torch.as_tensor(slots).tolist()
+            if len(set(listed)) != len(listed):
+                raise ConfigError(f"step got duplicate slots {listed}")
+            for s in listed:
+                if not 0 <= s < state.n_slots or state.lengths[s] == 0:
                     raise ConfigError(f"slot {s} was not prefilled")
                 if state.lengths[s] >= state.max_seq_len:
                     raise UnsupportedError(f"slot {s} is full ({state.max_seq_len} positions)")
+            for s in listed:
                 state.lengths[s] += 1
         slots = torch.as_tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
         b = slots.shape[0]

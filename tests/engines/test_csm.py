@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from realtime.engines.csm import CSM, CSMPrompt
-from realtime.errors import ConfigError, ModelFormatError
+from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 transformers = pytest.importorskip("transformers")
 
@@ -348,3 +348,45 @@ def test_bad_checkpoints(ckpts, tmp_path):
               one / "model.safetensors")
     m = CSM.from_pretrained(one)
     assert m.depth_embed_audio is m.embed_audio and torch.equal(m.embed_audio.weight, shared)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_runs_bf16(ckpts):
+    folder, hf, cpu = ckpts["k4_llama3"]
+    torch.manual_seed(4)
+    ids = torch.randint(0, 290, (1, 9))
+    gpu = CSM.from_pretrained(folder, device="cuda", dtype=torch.float32)
+    torch.testing.assert_close(gpu.generate_codes(ids, 16), cpu.generate_codes(ids, 16), rtol=0, atol=0)
+    bf = CSM.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    logits, _ = bf.backbone_logits(ids)
+    ref, _ = cpu.backbone_logits(ids)
+    assert logits.dtype == torch.float32 and float((logits.cpu() - ref).abs().max()) < 0.1 * float(ref.abs().max())
+    state = bf.new_batch(3, 64)
+    for slot in range(3):
+        bf.prefill(state, slot, ids[:, : 5 + slot])
+    slots = torch.arange(3)
+    for _ in range(4):
+        codes = bf.step(state, slots, torch.tensor([0.0, 0.8, 1.0]), torch.tensor([0, 10, 0]), torch.tensor([1, 2, 3]))
+        assert codes.shape == (3, bf.num_codebooks) and codes.device.type == "cuda"
+        assert int(codes.min()) >= 0 and int(codes.max()) < bf.audio_vocab_size
+
+
+def test_slot_errors(ckpts):
+    _, _, ours = ckpts["k4_llama3"]
+    state = ours.new_batch(2, 8)
+    one = torch.ones(2)
+    with pytest.raises(ConfigError, match="not prefilled"):
+        ours.step(state, torch.tensor([0]), one[:1], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    ours.prefill(state, 0, torch.tensor([[290, 3, 4, 5, 6]]))
+    ours.prefill(state, 1, torch.tensor([[290, 3]]))
+    with pytest.raises(ConfigError, match="duplicate"):
+        ours.step(state, torch.tensor([0, 0]), one, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(UnsupportedError, match="does not fit"):
+        ours.prefill(state, 1, torch.arange(8)[None])
+    for _ in range(3):  # positions 5, 6, 7: the cache is then full
+        ours.step(state, torch.tensor([0]), one[:1], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(UnsupportedError, match="full"):
+        ours.step(state, torch.tensor([0]), one[:1], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    ours.prefill(state, 0, torch.tensor([[290, 3]]))  # reuse after a full run
+    a = ours.step(state, torch.tensor([0, 1]), -one, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    assert torch.equal(a[0], a[1])  # same prompt, greedy: the reused slot kept nothing of its last run
