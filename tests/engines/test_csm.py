@@ -390,3 +390,26 @@ def test_slot_errors(ckpts):
     ours.prefill(state, 0, torch.tensor([[290, 3]]))  # reuse after a full run
     a = ours.step(state, torch.tensor([0, 1]), -one, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
     assert torch.equal(a[0], a[1])  # same prompt, greedy: the reused slot kept nothing of its last run
+
+
+def test_sampled_frames_follow_the_documented_rng_steps(ckpts):
+    """Sampling in step() equals a cache-free re-derivation: codebook k of frame f draws with
+    sample(..., seed, step=f*K+k) from the teacher-forced logits."""
+    from realtime.engines.sampling import sample
+
+    _, _, ours = ckpts["k6_plain"]
+    k = ours.num_codebooks
+    ids = torch.tensor([[290, 40, 41, 42, 43]])
+    temp, tk, seed = torch.tensor([1.3]), torch.tensor([7]), torch.tensor([123])
+    got = ours.generate_codes(ids, 3, greedy=False, temperature=1.3, top_k=7, seed=123)
+    prompt = ours.prompt_from_ids(ids)
+    for f in range(3):
+        logits0, hidden = ours.backbone_logits(prompt)
+        codes = torch.zeros(1, k, dtype=torch.long)
+        codes[0, 0] = sample(logits0[-1:], temp, tk, torch.ones(1), seed, torch.tensor([f * k]))[0]
+        for cb in range(1, k):
+            lg = ours.depth_logits(hidden[-1:], codes)[:, cb - 1]
+            codes[0, cb] = sample(lg, temp, tk, torch.ones(1), seed, torch.tensor([f * k + cb]))[0]
+        assert torch.equal(codes[0], got[f]), f
+        prompt = CSMPrompt(torch.cat([prompt.ids, torch.zeros(1, dtype=torch.long)]), torch.cat([prompt.codes, codes]),
+                           torch.cat([prompt.is_audio, torch.ones(1, dtype=torch.bool)]))
