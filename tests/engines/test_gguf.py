@@ -1,0 +1,212 @@
+"""The real SmolLM2-135M-Instruct Q4_1 GGUF: ours equals transformers' own GGUF loading.
+
+Model: same dequantized weights (incl. the q/k un-permutation), same greedy tokens and logits.
+Tokenizer: same ids on a few hundred generated strings, same chat template output. Plus the
+model answers a simple question. Everything heavy is loaded once per module.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from realtime.engines.llama import TextModel, default_gguf_path
+from realtime.engines.tokenizer import StreamDecoder
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers needs it to load GGUF models
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "Tell me about the sea in 3 sentences."},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> TextModel:
+    return TextModel.from_pretrained()
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    p = default_gguf_path()
+    return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    p = default_gguf_path()
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    return m.eval()
+
+
+def test_weights_equal_transformers_gguf_loading(ours: TextModel, hf_model) -> None:
+    ref = hf_model.state_dict()
+    mine = {f"model.{k}": v for k, v in ours.transformer.state_dict().items()}
+    mine["model.embed_tokens.weight"] = ours.embed_tokens.weight
+    assert ours.tied and hf_model.config.tie_word_embeddings
+    assert set(mine) == {k for k in ref if k != "lm_head.weight"}
+    for k, v in mine.items():
+        assert torch.equal(v, ref[k]), k
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(ours: TextModel):
+    """32 greedy tokens for each prompt, decoded as one continuous batch (rows at different positions).
+
+    Returns (prompts, tokens, logits) with logits [3, 32, V]: prefill's last logits, then each
+    decode_step's. Batching the three sessions reads the weights once per step instead of three times.
+    """
+    tok = ours.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(conv)) for conv in PROMPTS]
+    assert len({len(p) for p in prompts}) == 3
+    cache = ours.new_cache(4, max(len(p) for p in prompts) + 32)
+    slots = torch.tensor([2, 0, 3])
+    logits = torch.stack([ours.prefill(cache, int(s), p) for s, p in zip(slots, prompts)])
+    pos = torch.tensor([len(p) for p in prompts])
+    all_logits, tokens = [], []
+    for step in range(32):
+        all_logits.append(logits)
+        nxt = logits.argmax(-1)
+        tokens.append(nxt)
+        if step < 31:
+            logits = ours.decode_step(cache, slots, nxt, pos + step)
+    return prompts, torch.stack(tokens, 1).tolist(), torch.stack(all_logits, 1)
+
+
+def test_greedy_tokens_and_logits_equal_transformers(greedy_runs, hf_model) -> None:
+    prompts, tokens, logits = greedy_runs
+    for prompt, got, mine in zip(prompts, tokens, logits):
+        seq = torch.tensor([prompt + got])
+        with torch.no_grad():
+            ref_logits = hf_model(seq).logits[0, len(prompt) - 1 : -1]
+        # Teacher-forced check: transformers' argmax at every step is our token, i.e. its greedy
+        # generate would produce exactly these 32 tokens (by induction over the steps).
+        assert ref_logits.argmax(-1).tolist() == got
+        torch.testing.assert_close(mine, ref_logits, rtol=1e-4, atol=2e-4)
+
+
+def test_batched_equals_solo_generate(ours: TextModel, greedy_runs) -> None:
+    prompts, tokens, _ = greedy_runs
+    # One session alone (generate: batch of one, its own cache) gives the same tokens as in the batch.
+    # (8 tokens: the 16-token solo-vs-batch check runs on a random model in test_llama.py.)
+    assert ours.generate(prompts[2], 8, stop_ids=[]) == tokens[2][:8]
+
+
+def test_answers_capital_of_france(ours: TextModel, greedy_runs) -> None:
+    tok = ours.tokenizer
+    out = greedy_runs[1][0]
+    stop = [i for i, t in enumerate(out) if t in tok.eos_ids]
+    assert stop, "the model should end its answer within 32 tokens"
+    text = tok.decode(out[: stop[0]])
+    assert "Paris" in text, text
+
+
+def _strings(n: int) -> list[str]:
+    rng = random.Random(1234)
+    words = ["hello", "world", "The", "don't", "I'LL", "we've", "naïve", "café", "straße", "Ünïcödé", "Привет",
+             "мир", "日本語", "中文字符", "한국어", "مرحبا", "שלום", "ελληνικά", "हिन्दी", "ñandú", "x", "A1b2"]
+    emoji = ["😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "❤️", "🦄", "✨"]
+    code = ["def f(x):\n    return x**2", "for (int i = 0; i < n; ++i) {", "<div class=\"a\">", "a_b = [1, 2, 3]",
+            "SELECT * FROM t WHERE id=42;", "x += 1  # comment", "fn main() -> i32 { 0 }", "\\n\\t", "λx.x"]
+    spaces = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\t\t ", "    \n"]
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    out = ["", " ", "   ", "\n", "0", "007", "3.14159", "1,000,000", "2024-01-31", "  leading", "trailing  "]
+    while len(out) < n:
+        parts = []
+        for _ in range(rng.randint(1, 12)):
+            r = rng.random()
+            if r < 0.35:
+                parts.append(rng.choice(words))
+            elif r < 0.5:
+                parts.append(str(rng.randint(0, 10 ** rng.randint(1, 9))))
+            elif r < 0.6:
+                parts.append(rng.choice(emoji))
+            elif r < 0.7:
+                parts.append(rng.choice(code))
+            elif r < 0.75:
+                parts.append(rng.choice(specials))
+            elif r < 0.85:
+                parts.append("".join(rng.choice("!?.,;:'\"()[]{}-_+=*/&%$#@^~`|<>") for _ in range(rng.randint(1, 4))))
+            else:
+                parts.append(chr(rng.randint(0x20, 0x2FFF)))
+            parts.append(rng.choice(spaces) if rng.random() < 0.3 else " ")
+        out.append("".join(parts))
+    return out
+
+
+def _space_before_number(s: str) -> bool:
+    return any(a.isspace() and b.isnumeric() for a, b in zip(s, s[1:]))
+
+
+def test_tokenizer_equals_transformers_gguf_tokenizer(ours: TextModel, hf_tok) -> None:
+    """Same ids as transformers' GGUF tokenizer, with one documented gap in transformers.
+
+    The GGUF says tokenizer.ggml.pre = "smollm": llama.cpp (and SmolLM's own tokenizer.json) first
+    isolates every number character, then applies the GPT-2 byte-level regex. transformers' GGUF
+    converter ignores tokenizer.ggml.pre and uses the plain GPT-2 regex, which differs exactly when
+    whitespace precedes a number ("a  12": ours "a"," "," ","1","2" vs "a"," "," 1","2" -- no " 1"
+    token exists, so the GPT-2 path yields "Ġ" + "1"+... grouped differently). We therefore compare
+    (a) strictly against transformers' tokenizer with its pre-tokenizer set to the smollm rule, and
+    (b) against the unmodified one on every string without whitespace-before-number, and check that
+    the remaining differences are all such strings.
+    """
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    ref_fixed = Tokenizer.from_str(hf_tok.backend_tokenizer.to_str())
+    ref_fixed.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True)]
+    )
+    tok = ours.tokenizer
+    assert tok.vocab_size == len(hf_tok)
+    assert tok.bos_id == 1 and tok.eos_ids == {2}  # <|im_start|>, <|im_end|> (the GGUF's own ids)
+    strings = _strings(300)
+    differ = 0
+    for s in strings:
+        ids = tok.encode(s)
+        assert ids == ref_fixed.encode(s, add_special_tokens=False).ids, repr(s)
+        plain = hf_tok.encode(s, add_special_tokens=False)
+        if ids != plain:
+            differ += 1
+            assert _space_before_number(s), repr(s)
+        else:
+            assert tok.encode(s, add_special=True) == hf_tok.encode(s, add_special_tokens=True), repr(s)
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True), repr(s)
+        assert tok.decode(ids, skip_special=False) == hf_tok.decode(ids), repr(s)
+        # Byte-level BPE round-trips any text.
+        assert tok.decode(ids, skip_special=False) == s
+    assert sum(not _space_before_number(s) for s in strings) > 100  # (b) covered many strings
+    assert tok.encode("x 42") == [tok.token_to_id(t) for t in ("x", "Ġ", "4", "2")]
+
+
+def test_chat_template_equals_transformers(ours: TextModel, hf_tok) -> None:
+    conversations = PROMPTS + [
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Say 'naïve' 😀"},
+        ]
+    ]
+    for conv in conversations:
+        for gen in (True, False):
+            want = hf_tok.apply_chat_template(conv, add_generation_prompt=gen, tokenize=False)
+            assert ours.tokenizer.apply_chat_template(conv, add_generation_prompt=gen) == want
+
+
+def test_stream_decoder_never_splits_characters(ours: TextModel) -> None:
+    tok = ours.tokenizer
+    cases = [("日本語のテキスト 👨‍👩‍👧 and 🇫🇷 flags", 4), ("naïve café — “quotes” …", 4), ("<|im_start|>hi<|im_end|> ok", 2)]
+    for s, min_pieces in cases:
+        ids = tok.encode(s)
+        sd = StreamDecoder(tok)
+        pieces = [sd.push(i) for i in ids] + [sd.flush()]
+        assert all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) == tok.decode(ids)
+        assert sum(1 for p in pieces if p) >= min_pieces  # actually incremental
