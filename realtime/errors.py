@@ -55,6 +55,13 @@ class StateError(ProtocolError):
     close_code = 1008
 
 
+class InternalError(RealtimeError):
+    """Our fault (an engine failed). The message sent to the client never holds the details."""
+
+    code = "internal"
+    close_code = 1011
+
+
 class AuthError(RealtimeError):
     code = "unauthorized"
     close_code = 1008

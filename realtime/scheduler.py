@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from realtime.errors import RealtimeError
+
 log = logging.getLogger("realtime.scheduler")
 
 BACKGROUND_SLACK_S = 1.0  # background work (image steps) yields to any job due sooner than this
@@ -219,6 +221,9 @@ class Worker:
                 job.state = JobState.RUNNING
         try:
             choice.lane.run(choice.jobs)
+        except RealtimeError as exc:  # bad input discovered by the engine (a prompt too long)
+            for job in choice.jobs:
+                job.fail(exc)
         except Exception as exc:  # an engine bug fails the jobs in this batch, not the server
             log.exception("lane %s failed on %d job(s)", choice.lane.name, len(choice.jobs))
             self.stats.errors += 1

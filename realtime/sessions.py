@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from realtime.errors import RealtimeError
+from realtime.errors import InternalError, RealtimeError
 from realtime.protocol import messages as m
 from realtime.protocol.frames import WireFormat, decode_frame, encode_frame
 from realtime.protocol.player import GapTracker
@@ -101,7 +101,7 @@ class TTSSession:
         except Exception:
             log.exception("tts session %s crashed", self.id)
             self.proto.fail()
-            await self.conn.fail(RealtimeError("internal error", code="internal"))
+            await self.conn.fail(InternalError("internal error"))
         finally:
             if self.job is not None and self.job.active:
                 self.app.scheduler.cancel(self.job)
@@ -192,7 +192,8 @@ class TTSSession:
                     return
             if job.state is JobState.FAILED:
                 self.app.metrics.errors.inc()
-                await self.conn.fail(RealtimeError("speech generation failed", code="internal"))
+                err = job.error if isinstance(job.error, RealtimeError) else InternalError("speech generation failed")
+                await self.conn.fail(err)
                 return
             if job.state is JobState.CANCELLED:
                 return

@@ -1,0 +1,334 @@
+"""CSM-1B on the scheduler: a batched frame generator and a batched streaming Mimi decoder.
+
+GENERATOR lane ``csm.frame`` (worker "generator"): for every ready stream, prefill its cache slot
+when it starts a new text segment, then ONE batched step for all of them → codes [B, K] (one audio
+frame each). CODEC lane ``mimi.decode`` (worker "codec"): one frame per ready stream through the
+streaming Mimi decoder, batched over slots → 1920 samples at 24 kHz each. The two lanes meet in a
+per-stream bounded queue of codes (host tensors: a few hundred bytes a frame), so the decoder of
+frame n overlaps the generator of frame n+1 and PCM never crosses the host twice.
+
+Each text segment is one CSM utterance. The voice reference (``start.reference``) and the last
+spoken segment are passed as context turns, so the voice stays the same across segments.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from realtime.errors import OverloadedError, UnsupportedError
+from realtime.protocol.tts import StartParams
+from realtime.scheduler import Job, Lane
+from realtime.tts import TTSBackend, TTSJob
+
+log = logging.getLogger("realtime.csm")
+
+MAX_CODES_AHEAD = 64  # frames generated but not yet decoded, per stream (~5 s)
+MAX_FRAMES_PER_CHAR = 2.0  # 12.5 frames/s: a generous cap on runaway utterances (~6 chars/s speech)
+MIN_FRAMES = 25
+
+
+@dataclass
+class CSMState:
+    slot: int
+    seed: int
+    temperature: float
+    top_k: int
+    codes: deque = field(default_factory=deque)  # host LongTensor [K] frames for the codec; None = utterance end
+    generating: bool = False  # a segment is prefilled and its frames are being produced
+    segment: str | None = None
+    frames_in_segment: int = 0
+    max_frames: int = 0
+    inflight: int = 0
+    ref_codes: torch.Tensor | None = None  # [F, K] of the voice reference, encoded once per session
+    last_turn: tuple[str, list] | None = None  # previous segment and its frames, as context
+    frames_log: list = field(default_factory=list)
+    decoded: int = 0
+
+    def busy(self) -> bool:
+        return self.generating or bool(self.codes) or self.inflight > 0
+
+
+class SlotPool:
+    """Fixed cache slots shared by the generator (KV cache) and the codec (decoder state)."""
+
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n))[::-1]
+        self.lock = threading.Lock()
+        self.dirty: set[int] = set()  # slots whose decoder state the codec worker must reset
+
+    def take(self) -> int:
+        with self.lock:
+            if not self.free:
+                raise OverloadedError("all speech slots are in use; try again shortly")
+            slot = self.free.pop()
+            self.dirty.add(slot)
+            return slot
+
+    def give(self, slot: int) -> None:
+        with self.lock:
+            self.free.append(slot)
+
+
+class CSMFrameLane(Lane):
+    name = "csm.frame"
+    worker = "generator"
+
+    def __init__(self, backend: "CSMBackend") -> None:
+        super().__init__()
+        self.b = backend
+        self.max_batch = backend.n_slots
+
+    def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
+        st: CSMState = job.engine_state
+        if len(st.codes) >= MAX_CODES_AHEAD or not job.can_produce(time.monotonic()):
+            return False
+        return st.generating or job.has_text()
+
+    def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
+        b = self.b
+        t0 = time.perf_counter()
+        stepping: list[TTSJob] = []
+        for job in jobs:
+            st: CSMState = job.engine_state
+            if not st.generating:
+                with job.lock:
+                    seg = job.next_segment_locked()
+                    if seg is None:
+                        continue
+                    st.inflight += 1
+                try:
+                    self._prefill(job, st, seg)
+                finally:
+                    with job.lock:
+                        st.inflight -= 1
+            stepping.append(job)
+        if not stepping:
+            return
+        slots = torch.tensor([j.engine_state.slot for j in stepping], dtype=torch.long)
+        temp = torch.tensor([j.engine_state.temperature for j in stepping], dtype=torch.float32)
+        top_k = torch.tensor([j.engine_state.top_k for j in stepping], dtype=torch.long)
+        seeds = torch.tensor([j.engine_state.seed for j in stepping], dtype=torch.long)
+        codes = b.csm.step(b.state, slots, temp, top_k, seeds).cpu()  # the one host sync per frame
+        eos = b.csm.is_eos(codes).tolist()
+        share = (time.perf_counter() - t0) / len(stepping)
+        for job, frame, end in zip(stepping, codes, eos, strict=True):
+            st = job.engine_state
+            job.compute_s += share
+            st.frames_in_segment += 1
+            full = b.state.lengths[st.slot] >= b.state.max_seq_len - 1
+            with job.lock:
+                if not end:
+                    st.codes.append(frame)
+                    st.frames_log.append(frame)
+                if end or full or st.frames_in_segment >= st.max_frames:
+                    st.generating = False
+                    st.codes.append(None)  # utterance boundary for the codec lane
+        b.wake_codec()
+
+    def _prefill(self, job: TTSJob, st: CSMState, seg: str) -> None:
+        b = self.b
+        if job.params.reference_audio is not None and st.ref_codes is None:
+            st.ref_codes = b.encode_reference(job.params.reference_audio)
+        context = []
+        if st.ref_codes is not None:
+            context.append((job.params.speaker, job.params.reference_text or "", st.ref_codes))
+        if st.last_turn is not None and st.last_turn[1]:
+            context.append((job.params.speaker, st.last_turn[0], torch.stack(st.last_turn[1])))
+        prompt = b.csm.build_prompt(seg, job.params.speaker, context)
+        room = b.state.max_seq_len - len(prompt) - 1
+        if room < MIN_FRAMES and context:
+            prompt = b.csm.build_prompt(seg, job.params.speaker, context[:1])  # drop the history
+            room = b.state.max_seq_len - len(prompt) - 1
+        if room < 1:
+            raise UnsupportedError("the text segment does not fit the model's context")
+        b.csm.prefill(b.state, st.slot, prompt)
+        st.generating = True
+        st.segment = seg
+        st.frames_in_segment = 0
+        st.max_frames = min(room, max(MIN_FRAMES, int(len(seg) * MAX_FRAMES_PER_CHAR)))
+        st.last_turn = (seg, [])  # filled as frames come, used as context by the next segment
+        st.frames_log = st.last_turn[1]
+
+
+class MimiDecodeLane(Lane):
+    name = "mimi.decode"
+    worker = "codec"
+
+    def __init__(self, backend: "CSMBackend") -> None:
+        super().__init__()
+        self.b = backend
+        self.max_batch = backend.n_slots
+
+    def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
+        st: CSMState = job.engine_state
+        return bool(st.codes) and job.output.room() > 8
+
+    def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
+        b = self.b
+        t0 = time.perf_counter()
+        b.reset_dirty_slots()
+        decode: list[tuple[TTSJob, torch.Tensor]] = []
+        for job in jobs:
+            st: CSMState = job.engine_state
+            with job.lock:
+                item = st.codes.popleft() if st.codes else None
+                boundary = item is None
+            if boundary:
+                job.finish_spurt()
+                continue
+            decode.append((job, item))
+        if decode:
+            slots = torch.tensor([j.engine_state.slot for j, _ in decode], dtype=torch.long)
+            codes = torch.stack([c for _, c in decode])[:, :, None]  # [B, K, 1]
+            pcm = b.decode_slots(slots, codes).float().cpu().numpy()  # [B, 1, 1920]
+            share = (time.perf_counter() - t0) / len(decode)
+            for (job, _), audio in zip(decode, pcm, strict=True):
+                job.compute_s += share
+                job.engine_state.decoded += 1
+                job.emit_pcm(audio.reshape(-1), frames=1)
+        for job in jobs:  # an utterance may end right after its last frame
+            st = job.engine_state
+            if st.codes and st.codes[0] is None and not st.generating:
+                with job.lock:
+                    st.codes.popleft()
+                job.finish_spurt()
+
+    def release(self, job: Job) -> None:
+        self.b.pool.give(job.engine_state.slot)  # type: ignore[attr-defined]
+
+
+class CSMBackend(TTSBackend):
+    """A CSM checkpoint folder (HF layout, Mimi weights under codec_model.*) on the scheduler."""
+
+    default_chunk_ms = 80  # one Mimi frame
+
+    def __init__(self, path: str, generator_device: str = "cpu", codec_device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, n_slots: int = 16, max_seq_len: int = 2048) -> None:
+        from realtime.codecs.mimi import Mimi
+        from realtime.engines.csm import CSM
+
+        t0 = time.perf_counter()
+        self.csm = CSM.from_pretrained(path, device=generator_device, dtype=dtype)
+        log.info("loaded CSM backbone+depth from %s in %.1fs", path, time.perf_counter() - t0)
+        self.mimi = Mimi.from_pretrained(path, device=codec_device, dtype=dtype,
+                                         num_codebooks=self.csm.num_codebooks)
+        log.info("loaded Mimi (%d codebooks) in %.1fs", self.mimi.num_codebooks, time.perf_counter() - t0)
+        self.n_slots = n_slots
+        self.state = self.csm.new_batch(n_slots, min(max_seq_len, self.csm.config.backbone.max_seq_len))
+        self.decoder = self.mimi.streaming_decoder(n_slots)
+        self.pool = SlotPool(n_slots)
+        self.native_rate = int(self.mimi.sample_rate)
+        self.name = "csm"
+        self.voices = ()
+        self.codec_device = codec_device
+        self.last_codes: np.ndarray | None = None
+        self._wake_codec = lambda: None
+
+    def lanes(self) -> list[Lane]:
+        return [CSMFrameLane(self), MimiDecodeLane(self)]
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update({"codebooks": self.csm.num_codebooks, "frame_rate": self.csm.frame_rate,
+                  "reference_audio": True})
+        return d
+
+    def check(self, params: StartParams) -> None:
+        if params.voice not in (None, "default"):
+            raise UnsupportedError("CSM takes a voice reference ('reference' in start), not a voice name")
+        if params.speed != 1.0:
+            raise UnsupportedError("CSM does not support speed")
+        if self.csm.tokenizer is None:
+            raise UnsupportedError("this CSM checkpoint has no tokenizer.json; it cannot speak text")
+
+    def prepare(self, job: TTSJob) -> None:
+        seed = job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        temp = 0.9 if job.params.temperature is None else job.params.temperature
+        job.engine_state = CSMState(slot=-1, seed=seed, temperature=temp, top_k=50)
+
+    def submit(self, scheduler, job: TTSJob) -> TTSJob:  # noqa: ANN001
+        job.engine_state.slot = self.pool.take()
+        try:
+            super().submit(scheduler, job)
+        except Exception:
+            self.pool.give(job.engine_state.slot)
+            raise
+        self._wake_codec = scheduler.wake
+        return job
+
+    def wake_codec(self) -> None:
+        self._wake_codec()
+
+    def reset_dirty_slots(self) -> None:
+        with self.pool.lock:
+            dirty, self.pool.dirty = self.pool.dirty, set()
+        if dirty:
+            mask = torch.zeros(self.n_slots, dtype=torch.bool)
+            mask[list(dirty)] = True
+            self.decoder.reset(mask.to(self.codec_device))
+
+    def decode_slots(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """One streaming decoder step for the given slots only: codes [B, K, 1] → [B, 1, 1920]."""
+        from realtime.codecs.mimi import KVState
+
+        dec = self.decoder
+        codes = codes.to(self.codec_device, non_blocking=True)
+        if len(slots) == self.n_slots and bool((slots == torch.arange(self.n_slots)).all()):
+            return dec.step(codes)
+        idx = slots.to(self.codec_device)
+        sub = object.__new__(type(dec))
+        sub.mimi, sub.batch_size = dec.mimi, len(slots)
+        sub.upsample_tail = dec.upsample_tail[idx]
+        sub.convs = [c[idx] for c in dec.convs]
+        sub.kv = KVState(dec.kv.k[:, idx], dec.kv.v[:, idx], dec.kv.kv_pos[idx], dec.kv.pos[idx])
+        out = sub.step(codes)
+        dec.upsample_tail[idx] = sub.upsample_tail
+        for full, part in zip(dec.convs, sub.convs, strict=True):
+            full[idx] = part
+        dec.kv.k[:, idx], dec.kv.v[:, idx] = sub.kv.k, sub.kv.v
+        dec.kv.kv_pos[idx], dec.kv.pos[idx] = sub.kv.kv_pos, sub.kv.pos
+        return out
+
+    def encode_reference(self, wav: bytes) -> torch.Tensor:
+        """A WAV file's bytes → Mimi codes [F, K] (mono, resampled to 24 kHz)."""
+        import soundfile as sf
+
+        from realtime.codecs.resample import resample
+
+        try:
+            audio, rate = sf.read(io.BytesIO(wav), dtype="float32", always_2d=True)
+        except Exception:
+            raise UnsupportedError("reference audio must be a WAV (or FLAC/OGG) file") from None
+        mono = audio.mean(axis=1)
+        if len(mono) < rate // 4 or len(mono) > rate * 60:
+            raise UnsupportedError("reference audio must be between 0.25 and 60 seconds")
+        x = resample(mono, int(rate), self.native_rate)
+        t = torch.from_numpy(x)[None, None].to(self.codec_device, self.mimi_dtype)
+        with torch.no_grad():
+            codes = self.mimi.encode(t)[0]  # [K, F]
+        return codes.t().cpu()
+
+    @property
+    def mimi_dtype(self) -> torch.dtype:
+        return next(self.mimi.parameters()).dtype
+
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        slot = self.pool.take()
+        try:
+            prompt = self.csm.build_prompt("Warm up.", 0)
+            self.csm.prefill(self.state, slot, prompt)
+            s = torch.tensor([slot])
+            codes = self.csm.step(self.state, s, torch.tensor([0.0]), torch.tensor([50]), torch.tensor([0]))
+            self.decode_slots(s, codes.cpu().clamp(0, self.csm.audio_vocab_size - 1)[:, :, None])
+        finally:
+            self.pool.give(slot)
+        log.info("warmed up CSM + Mimi in %.2fs", time.perf_counter() - t0)

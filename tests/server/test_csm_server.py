@@ -1,0 +1,136 @@
+"""CSM (tiny random weights, saved with transformers' save_pretrained) served over /v1/tts by a real
+uvicorn: frame-sized chunks, gap stats, streamed audio == offline generate + Mimi decode, and
+concurrent streams batched in one step each equal their solo output."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from liveserver import serve
+
+from realtime.clients.tts import ServerError, TTSStream, synthesize_async
+from realtime.config import ServerConfig
+from realtime.server import create_app
+
+transformers = pytest.importorskip("transformers")
+
+SPECIALS = {"<|begin_of_text|>": 290, "<|end_of_text|>": 291, "<|AUDIO|>": 292, "<|audio_eos|>": 293}
+
+
+def _tiny_csm(folder: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, models
+
+    codec = transformers.MimiConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
+        codebook_dim=8, codebook_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[4, 4],
+        vector_quantization_hidden_dimension=8, num_quantizers=4, num_semantic_quantizers=1, head_dim=8,
+        upsample_groups=16, sliding_window=8)
+    cfg = transformers.CsmConfig(
+        num_codebooks=4, vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, text_vocab_size=300, max_position_embeddings=512,
+        pad_token_id=None, bos_token_id=290, eos_token_id=291, audio_token_id=292, audio_eos_token_id=293,
+        codebook_pad_token_id=15, codebook_eos_token_id=0,
+        depth_decoder_config=dict(num_codebooks=4, backbone_hidden_size=32, vocab_size=16, max_position_embeddings=4,
+                                  hidden_size=24, intermediate_size=48, num_hidden_layers=1, num_attention_heads=3,
+                                  num_key_value_heads=1),
+        codec_config=codec.to_dict())
+    torch.manual_seed(0)
+    model = transformers.CsmForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # O(1) activations: near-uniform logits would make greedy ties likely
+        for name, p in model.named_parameters():
+            if name.startswith("codec_model."):
+                continue
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif "embed" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 3.0 / math.sqrt(p.shape[-1]))
+    model.save_pretrained(folder)
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    vocab.update(SPECIALS)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def csm_live(tmp_path_factory):  # noqa: ANN001, ANN201
+    from realtime.tts_csm import CSMBackend
+
+    folder = tmp_path_factory.mktemp("csm")
+    _tiny_csm(folder)
+    backend = CSMBackend(str(folder), n_slots=4, max_seq_len=512)
+    app = create_app(ServerConfig(), tts=backend, services=[])
+    with serve(app) as live:
+        yield live, backend
+
+
+def _offline(backend, text: str) -> np.ndarray:  # noqa: ANN001
+    csm, mimi = backend.csm, backend.mimi
+    prompt = csm.build_prompt(text, 0)
+    n = max(25, int(len(text) * 2.0))
+    codes = csm.generate_codes(prompt, max_frames=n, greedy=True)
+    with torch.no_grad():
+        audio = mimi.decode(codes.t()[None]).reshape(-1).numpy()
+    return np.clip(audio, -1.0, 1.0)  # the wire format is full-scale PCM: random weights overshoot
+
+
+async def test_csm_streams_frames_equal_to_offline(csm_live) -> None:  # noqa: ANN001
+    live, backend = csm_live
+    text = "hello world."
+    async with TTSStream(f"{live.ws}/v1/tts", format="pcm_f32le", sample_rate=24000,
+                         extra={"temperature": 0, "seed": 1}) as s:
+        assert s.ready is not None and s.ready["frame_samples"] == 1920  # 80 ms at 24 kHz
+        await s.send_text(text)
+        await s.stop()
+        chunks = [c async for c in s]
+    audio = np.concatenate([c.samples("pcm_f32le") for c in chunks])
+    ref = _offline(backend, text)
+    assert len(audio) == len(ref)
+    assert np.abs(audio - ref).max() < 1e-4
+    st = s.stats
+    assert st is not None and st["frames"] == len(ref) // backend.mimi.frame_size
+    for key in ("ttfa_ms", "underruns", "underrun_ms", "max_underrun_ms", "rtf"):
+        assert key in st
+    assert s.gaps.chunks == len(chunks)
+
+
+async def test_concurrent_csm_streams_batch_and_match_solo(csm_live) -> None:  # noqa: ANN001
+    live, backend = csm_live
+    texts = ["one two three.", "a different sentence here.", "short."]
+    lane = next(ln for ln in live.state.scheduler.lanes() if ln.name == "csm.frame")
+    steps_before = lane.steps
+    results = await asyncio.gather(*(synthesize_async(f"{live.ws}/v1/tts", t, extra={"temperature": 0})
+                                     for t in texts))
+    frames = sum(st["frames"] for _, st in results)
+    assert lane.steps - steps_before < frames  # frames of different streams shared steps
+    for text, (audio, _) in zip(texts, results, strict=True):
+        ref = _offline(backend, text)
+        assert len(audio) == len(ref)
+        assert np.abs(audio - ref).max() < 1e-4
+
+
+async def test_voice_reference_is_accepted_and_bad_one_refused(csm_live) -> None:  # noqa: ANN001
+    live, _ = csm_live
+    buf = io.BytesIO()
+    t = np.arange(7200) / 24000  # 0.3 s: this tiny Mimi makes 750 frames a second
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 24000, format="WAV")
+    ref = {"audio": buf.getvalue(), "text": "a reference voice"}
+    audio, st = await synthesize_async(f"{live.ws}/v1/tts", "speak like that.", reference=ref)
+    assert len(audio) > 0 and st["frames"] > 0
+    with pytest.raises(ServerError) as exc:
+        await synthesize_async(f"{live.ws}/v1/tts", "x.", reference={"audio": b"not a wav", "text": "t"})
+    assert exc.value.code == "unsupported" and exc.value.close_code == 1003
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(24000 * 2, dtype=np.float32), 24000, format="WAV")  # 1500 frames: too long here
+    with pytest.raises(ServerError) as exc:
+        await synthesize_async(f"{live.ws}/v1/tts", "x.", reference={"audio": buf.getvalue(), "text": "t"})
+    assert exc.value.code == "unsupported" and "context" in exc.value.message
