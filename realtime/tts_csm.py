@@ -50,6 +50,7 @@ class CSMState:
     ref_codes: torch.Tensor | None = None  # [F, K] of the voice reference, encoded once per session
     last_turn: tuple[str, list] | None = None  # previous segment and its frames, as context
     frames_log: list = field(default_factory=list)
+    all_frames: list = field(default_factory=list)  # every frame of the session ([K] each), for --save-codes
     decoded: int = 0
 
     def busy(self) -> bool:
@@ -128,6 +129,7 @@ class CSMFrameLane(Lane):
                 if not end:
                     st.codes.append(frame)
                     st.frames_log.append(frame)
+                    st.all_frames.append(frame)
                 if end or full or st.frames_in_segment >= st.max_frames:
                     st.generating = False
                     st.codes.append(None)  # utterance boundary for the codec lane
@@ -229,7 +231,7 @@ class CSMBackend(TTSBackend):
         self.name = "csm"
         self.voices = ()
         self.codec_device = codec_device
-        self.last_codes: np.ndarray | None = None
+        self.last_job: TTSJob | None = None
         self._wake_codec = lambda: None
 
     def lanes(self) -> list[Lane]:
@@ -253,6 +255,7 @@ class CSMBackend(TTSBackend):
         seed = job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         temp = 0.9 if job.params.temperature is None else job.params.temperature
         job.engine_state = CSMState(slot=-1, seed=seed, temperature=temp, top_k=50)
+        self.last_job = job
 
     def submit(self, scheduler, job: TTSJob) -> TTSJob:  # noqa: ANN001
         job.engine_state.slot = self.pool.take()
@@ -315,6 +318,13 @@ class CSMBackend(TTSBackend):
         with torch.no_grad():
             codes = self.mimi.encode(t)[0]  # [K, F]
         return codes.t().cpu()
+
+    @property
+    def last_codes(self) -> np.ndarray | None:
+        """Codes [frames, K] of the most recent stream (for ``realtime say --save-codes``)."""
+        if self.last_job is None or not self.last_job.engine_state.all_frames:
+            return None
+        return torch.stack(self.last_job.engine_state.all_frames).numpy()
 
     @property
     def mimi_dtype(self) -> torch.dtype:

@@ -134,3 +134,21 @@ async def test_voice_reference_is_accepted_and_bad_one_refused(csm_live) -> None
     with pytest.raises(ServerError) as exc:
         await synthesize_async(f"{live.ws}/v1/tts", "x.", reference={"audio": buf.getvalue(), "text": "t"})
     assert exc.value.code == "unsupported" and "context" in exc.value.message
+
+
+def test_cli_say_local_with_csm_saves_codes(csm_live, tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+
+    live, backend = csm_live
+    folder = tmp_path / "model"
+    folder.mkdir()
+    _tiny_csm(folder)
+    out, codes = tmp_path / "out.wav", tmp_path / "codes.npy"
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "hello there.", "--local", "--model", str(folder),
+                        "-o", str(out), "--save-codes", str(codes)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = np.load(codes)
+    audio, rate = sf.read(out)
+    assert rate == 24000 and saved.ndim == 2 and saved.shape[1] == 4
+    assert len(audio) == saved.shape[0] * backend.mimi.frame_size

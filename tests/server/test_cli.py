@@ -1,0 +1,44 @@
+"""The `realtime` command against a real server and in process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import soundfile as sf
+from liveserver import serve
+
+from realtime.config import ServerConfig
+from realtime.server import create_app
+
+
+def test_say_through_server_and_local(piper_backend, tmp_path) -> None:  # noqa: ANN001
+    app = create_app(ServerConfig(warmup=False), tts=piper_backend, services=[])
+    with serve(app) as live:
+        out = tmp_path / "hello.wav"
+        r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hello there, how are you today?",
+                            "-o", str(out), "--url", f"{live.ws}/v1/tts"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "ttfa" in r.stdout
+    audio, rate = sf.read(out)
+    assert rate == 24000 and 1.0 < len(audio) / rate < 5.0
+    assert np.sqrt(np.mean(audio ** 2)) > 0.02
+    local = tmp_path / "local.wav"
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hello there.", "-o", str(local), "--local"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    audio, rate = sf.read(local)
+    assert rate == 22050 and len(audio) > rate // 2
+
+
+def test_say_reports_a_missing_server(tmp_path) -> None:  # noqa: ANN001
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hi.", "-o", str(tmp_path / "x.wav"),
+                        "--url", "ws://127.0.0.1:9/v1/tts"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+def test_serve_refuses_public_bind_without_key() -> None:
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "serve", "--host", "0.0.0.0", "--no-asr", "--no-text"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "api-key" in r.stderr
