@@ -618,7 +618,9 @@ class Whisper:
         dev = self.device
         dec.fill_cross(enc.to(dev, self.dtype), cache)
 
-        if prompt_ids is not None and len(prompt_ids) and not isinstance(prompt_ids[0], (list, tuple)):
+        if prompt_ids is not None and len(prompt_ids) == 0:
+            prompt_ids = None
+        if prompt_ids is not None and not isinstance(prompt_ids[0], (list, tuple)):
             prompt_ids = [list(prompt_ids)] * b
         if prompt_ids is not None and len(prompt_ids) != b:
             raise ConfigError("prompt_ids needs one list per batch row")

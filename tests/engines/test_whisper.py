@@ -288,3 +288,14 @@ def test_ct2_reader_round_trip_int8_bf16_alias(tmp_path):
     p.write_bytes(blob[:-3])
     with pytest.raises(ModelFormatError):
         read_ct2(p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_en_cuda_transcribes_like_cpu(dtype, tiny):
+    gpu = Whisper.from_pretrained(device="cuda", dtype=dtype)
+    audio = _arctic()
+    assert _norm(gpu.transcribe(audio)) == _norm(tiny.transcribe(audio)) == _norm(ARCTIC_TEXT)
+    mel = gpu.log_mel(torch.from_numpy(audio)[None].cuda()).repeat(3, 1, 1)
+    ids = gpu.decode_greedy(gpu.encode(mel))
+    assert ids[0] == ids[1] == ids[2]
