@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,7 +87,6 @@ class MimiConfig:
     # 25 Hz -> 12.5 Hz resampling conv pair (HF: kernel 2 * int(encodec_frame_rate / frame_rate), stride 2).
     resample_kernel: int = 4
     resample_stride: int = 2
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def hop_length(self) -> int:

@@ -17,12 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
-from transformers import CsmConfig, CsmForConditionalGeneration, MimiModel  # noqa: E402
-from transformers import MimiConfig as HFMimiConfig  # noqa: E402
+from transformers import CsmConfig, CsmForConditionalGeneration, MimiModel
+from transformers import MimiConfig as HFMimiConfig
 
-from realtime.codecs.mimi import Mimi, MimiConfig  # noqa: E402
-from realtime.errors import ModelFormatError  # noqa: E402
+from realtime.codecs.mimi import Mimi, MimiConfig
+from realtime.errors import ModelFormatError
 
 TINY = dict(
     hidden_size=32, num_filters=4, upsampling_ratios=[3, 2, 2], num_residual_layers=2,
