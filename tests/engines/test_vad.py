@@ -31,7 +31,7 @@ def test_probs_and_events_equal_silero_reference(vad):
     from silero_vad.utils_vad import OnnxWrapper, VADIterator
 
     audio = _speech()
-    ref_model = OnnxWrapper(str(default_model_path()), force_onnx_cpu=True)
+    ref_model = OnnxWrapper(str(default_model_path("onnx")), force_onnx_cpu=True)
     it = VADIterator(ref_model, threshold=0.5, sampling_rate=16000, min_silence_duration_ms=100,
                      speech_pad_ms=30)
     ref_events = []
@@ -57,6 +57,25 @@ def test_probs_and_events_equal_silero_reference(vad):
     probs = np.concatenate(probs)[:n]
     np.testing.assert_allclose(probs, ref_probs, atol=1e-5, rtol=0)
     assert ref_events and [(e.kind, e.sample) for e in events] == ref_events
+
+
+def test_net_equals_onnx_graph_batched():
+    """Our torch network vs the wheel's ONNX graph on a batch of windows and random states."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(default_model_path("onnx")), providers=["CPUExecutionProvider"])
+    g = np.random.default_rng(3)
+    x = (0.3 * g.standard_normal((5, 576))).astype(np.float32)
+    x[0] = 0.0
+    state = (0.5 * g.standard_normal((2, 5, 128))).astype(np.float32)
+    ref_p, ref_s = sess.run(None, {"input": x, "state": state, "sr": np.array(16000, np.int64)})
+    from realtime.engines.vad import SileroNet
+
+    net = SileroNet.from_jit(default_model_path("jit"))
+    with torch.no_grad():
+        p, s = net(torch.from_numpy(x), torch.from_numpy(state))
+    np.testing.assert_allclose(p.numpy(), ref_p[:, 0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(s.numpy(), ref_s, atol=1e-5, rtol=0)
 
 
 def test_speech_detected_silence_and_noise_not(vad):
