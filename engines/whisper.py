@@ -458,7 +458,7 @@ def _special_tokens(path: Path, fmt: str, cfg: WhisperConfig, tok) -> SpecialTok
     if eot is None or sot is None or no_ts is None:
         if cfg.is_multilingual:
             eot, sot = 50257, 50258
-            no_ts = cfg.vocab_size - 1501
+            no_ts = cfg.vocab_size - 1502  # 1501 timestamp tokens follow <|notimestamps|>
         else:
             eot, sot, no_ts = 50256, 50257, 50362
     if isinstance(eot, list):

@@ -32,15 +32,15 @@ def _arctic() -> np.ndarray:
 # Random HF checkpoints vs transformers' generate
 
 
-def _save_random_hf(d: Path, multilingual: bool):
+def _save_random_hf(d: Path, multilingual: bool, n_mels: int = 80, vocab: int | None = None):
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     torch.manual_seed(0)
-    vocab = 51865 if multilingual else 51864
+    vocab = vocab or (51865 if multilingual else 51864)
     eot, sot = (50257, 50258) if multilingual else (50256, 50257)
-    no_ts = vocab - 1501  # Whisper's fixed layout: 1501 timestamp tokens at the end
+    no_ts = vocab - 1502  # Whisper's fixed layout: <|notimestamps|>, then 1501 timestamps
     cfg = WhisperConfig(
-        vocab_size=vocab, num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
+        vocab_size=vocab, num_mel_bins=n_mels, d_model=64, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
         decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=448,
         # Wider init than the default 0.02 so the random logits have clear winners: a
@@ -96,6 +96,18 @@ def hf_en(tmp_path_factory):
 def hf_multi(tmp_path_factory):
     d = tmp_path_factory.mktemp("whisper_hf_multi")
     return _save_random_hf(d, multilingual=True), Whisper.from_pretrained(d)
+
+
+def test_hf_large_v3_layout_128_mels(tmp_path):
+    """large-v3 layout: 128 mels, 100 languages (vocab 51866), special ids shifted by one."""
+    model = _save_random_hf(tmp_path, multilingual=True, n_mels=128, vocab=51866)
+    ours = Whisper.from_pretrained(tmp_path)
+    assert ours.n_mels == 128 and ours.is_multilingual
+    assert ours.tokens.no_timestamps == 50364 and ours.tokens.transcribe == 50360
+    mel = _two_inputs(ours)
+    assert mel.shape == (2, 128, 3000)
+    expected = _hf_generate(model, mel, language="en", task="transcribe")
+    assert ours.decode_greedy(ours.encode(mel), language="en", max_tokens=20) == expected
 
 
 def test_hf_english_greedy_equals_transformers(hf_en):
