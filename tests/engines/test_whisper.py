@@ -311,3 +311,38 @@ def test_tiny_en_cuda_transcribes_like_cpu(dtype, tiny):
     mel = gpu.log_mel(torch.from_numpy(audio)[None].cuda()).repeat(3, 1, 1)
     ids = gpu.decode_greedy(gpu.encode(mel))
     assert ids[0] == ids[1] == ids[2]
+
+
+def test_streaming_vad_policy_whisper_end_to_end(tiny):
+    """Stream a recording in 100 ms chunks: VAD opens/closes the utterance, the policy
+    re-decodes the growing buffer; committed text only grows and the final is right."""
+    from realtime.engines.asr_policy import LocalAgreementPolicy, PolicyConfig
+    from realtime.engines.vad import SileroVad
+
+    sil = np.zeros(16000, np.float32)
+    audio = np.concatenate([sil, _arctic(), sil])
+    vad, vstate = SileroVad(), None
+    vstate = vad.new_state()
+    policy = LocalAgreementPolicy(PolicyConfig(decode_every_ms=600, min_decode_ms=500))
+
+    def words(lo_ms: int, hi_ms: int) -> list[str]:
+        return tiny.transcribe(audio[lo_ms * 16 : hi_ms * 16]).split()
+
+    events = []
+    for lo in range(0, len(audio), 1600):
+        t_ms = (lo + 1600) * 1000 // 16000
+        for ev in vad.feed(vstate, audio[lo : lo + 1600]):
+            if ev.kind == "start":
+                policy.start(ev.ms)
+            else:
+                events += policy.end(words(policy.segment_start_ms, ev.ms), ev.ms)
+        if policy.active and policy.should_decode(t_ms):
+            events += policy.on_hypothesis(words(policy.segment_start_ms, t_ms), t_ms)
+    partials = [e for e in events if e.kind == "partial"]
+    finals = [e for e in events if e.kind == "final"]
+    assert len(partials) >= 2 and len(finals) == 1
+    committed = [p.committed for p in partials] + [finals[0].text]
+    for a, b in zip(committed, committed[1:]):
+        assert b.startswith(a)  # committed text is never revised
+    assert _norm(finals[0].text) == _norm(ARCTIC_TEXT)
+    assert 500 < finals[0].start_ms < 1500 and finals[0].end_ms > 3500
