@@ -39,7 +39,7 @@ from realtime.engines.sampling import sample
 from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, rope_frequencies
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
-__all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM"]
+__all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM", "CSMStepGraphs"]
 
 # Llama 3 special-token ids, used only when the checkpoint folder has no tokenizer.json.
 _LLAMA3_BEGIN_OF_TEXT = 128000
@@ -155,7 +155,8 @@ class CSMBatchState:
     (rewritten from position 0 for every frame). hidden [n_slots, D]: each slot's last backbone hidden
     state (what the next frame is predicted from). pos [n_slots]: next backbone position (= tokens in the
     cache). frames [n_slots]: frames generated so far (sampling step counter). ``lengths`` mirrors ``pos``
-    on the host so capacity checks never sync with the device.
+    on the host so capacity checks never sync with the device. All device tensors hold one more row,
+    ``scratch`` (= n_slots), where the padding rows of a CUDA-graphed step compute.
     """
 
     def __init__(self, csm: "CSM", n_slots: int, max_seq_len: int) -> None:
@@ -166,11 +167,14 @@ class CSMBatchState:
         dev, dt = csm.device, csm.dtype
         self.n_slots = n_slots
         self.max_seq_len = max_seq_len
-        self.backbone_cache = KVCache(csm.config.backbone, n_slots, max_seq_len, device=dev, dtype=dt)
-        self.depth_cache = KVCache(csm.config.depth, n_slots, csm.num_codebooks, device=dev, dtype=dt)
-        self.hidden = torch.zeros(n_slots, csm.config.backbone.dim, device=dev, dtype=dt)
-        self.pos = torch.zeros(n_slots, dtype=torch.long, device=dev)
-        self.frames = torch.zeros(n_slots, dtype=torch.long, device=dev)
+        # One extra, hidden slot: the padding rows of a CUDA-graphed step compute there.
+        self.scratch = n_slots
+        rows = n_slots + 1
+        self.backbone_cache = KVCache(csm.config.backbone, rows, max_seq_len, device=dev, dtype=dt)
+        self.depth_cache = KVCache(csm.config.depth, rows, csm.num_codebooks, device=dev, dtype=dt)
+        self.hidden = torch.zeros(rows, csm.config.backbone.dim, device=dev, dtype=dt)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.frames = torch.zeros(rows, dtype=torch.long, device=dev)
         self.lengths = [0] * n_slots
 
     def reset(self, slots: Tensor | Sequence[int]) -> None:
@@ -507,23 +511,21 @@ class CSM(nn.Module):
         step that consumes the new frame and stores the hidden state for the next call. A row whose K
         codes are all ``codebook_eos_token_id`` is finished; the caller stops it (see ``is_eos``).
         """
+        _check_rows(state, slots)
+        dev = self.device
+        return self._step_rows(
+            state,
+            torch.as_tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            torch.as_tensor(temperature).to(dev, torch.float32, non_blocking=True),
+            torch.as_tensor(top_k).to(dev, torch.long, non_blocking=True),
+            torch.as_tensor(seeds).to(dev, torch.long, non_blocking=True),
+        )
+
+    def _step_rows(self, state: CSMBatchState, slots: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor) -> Tensor:
+        """The device part of ``step`` (all inputs already on the device): no host syncs, no
+        data-dependent Python control flow, so it can be captured in a CUDA graph."""
         k, dev = self.num_codebooks, self.device
-        if torch.as_tensor(slots).device.type == "cpu":  # host-side checks; free of device syncs
-            listed = torch.as_tensor(slots).tolist()
-            if len(set(listed)) != len(listed):
-                raise ConfigError(f"step got duplicate slots {listed}")
-            for s in listed:
-                if not 0 <= s < state.n_slots or state.lengths[s] == 0:
-                    raise ConfigError(f"slot {s} was not prefilled")
-                if state.lengths[s] >= state.max_seq_len:
-                    raise UnsupportedError(f"slot {s} is full ({state.max_seq_len} positions)")
-            for s in listed:
-                state.lengths[s] += 1
-        slots = torch.as_tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
         b = slots.shape[0]
-        temperature = torch.as_tensor(temperature).to(dev, torch.float32, non_blocking=True)
-        top_k = torch.as_tensor(top_k).to(dev, torch.long, non_blocking=True)
-        seeds = torch.as_tensor(seeds).to(dev, torch.long, non_blocking=True)
         top_p = torch.ones(b, device=dev)
         step0 = state.frames[slots] * k
 
@@ -550,7 +552,15 @@ class CSM(nn.Module):
         state.hidden[slots] = h[:, 0]
         state.pos[slots] = p + 1
         state.frames[slots] += 1
+        # Padding rows of a graphed step run in the scratch slot: pin it at position 0 so it never
+        # walks off the cache however many steps it takes part in.
+        state.pos[state.scratch :].zero_()
+        state.frames[state.scratch :].zero_()
         return codes
+
+    def capture_step(self, state: CSMBatchState, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> "CSMStepGraphs":
+        """CUDA graphs of ``step`` for batches padded up to each of ``sizes`` (see CSMStepGraphs)."""
+        return CSMStepGraphs(self, state, sizes)
 
     def is_eos(self, codes: Tensor) -> Tensor:
         """codes [B, K] -> [B] bool: True for the end-of-speech frame (all K codes are the EOS code)."""
@@ -589,6 +599,80 @@ class CSM(nn.Module):
         if not frames:
             return torch.zeros(0, self.num_codebooks, dtype=torch.long)
         return torch.stack(frames)
+
+
+def _check_rows(state: CSMBatchState, slots: Tensor | Sequence[int]) -> None:
+    """Host-side checks of a step's slots (skipped for slots already on a GPU: that would sync)."""
+    slots = torch.as_tensor(slots)
+    if slots.device.type != "cpu":
+        return
+    listed = slots.tolist()
+    if len(set(listed)) != len(listed):
+        raise ConfigError(f"step got duplicate slots {listed}")
+    for s in listed:
+        if not 0 <= s < state.n_slots or state.lengths[s] == 0:
+            raise ConfigError(f"slot {s} was not prefilled")
+        if state.lengths[s] >= state.max_seq_len:
+            raise UnsupportedError(f"slot {s} is full ({state.max_seq_len} positions)")
+    for s in listed:
+        state.lengths[s] += 1
+
+
+class CSMStepGraphs:
+    """``CSM.step`` replayed from CUDA graphs, one per padded batch size.
+
+    Eager decoding launches thousands of small kernels per frame (K-1 depth passes, 2K samplers), so it
+    is bound by launch overhead; a graph replays them at once. Call it like ``step``: slots [B] (CPU,
+    distinct), temperature [B], top_k [B], seeds [B] -> codes [B, K]. B is padded to the smallest
+    captured size >= B with rows in the state's scratch slot; B above the largest size runs eagerly.
+    The graphs hold the state's tensors: use them with that state only.
+    """
+
+    def __init__(self, csm: CSM, state: CSMBatchState, sizes: Sequence[int]) -> None:
+        if csm.device.type != "cuda":
+            raise UnsupportedError("CUDA graphs need a CUDA device")
+        self.csm, self.state = csm, state
+        self.sizes = sorted({int(n) for n in sizes if int(n) > 0})
+        if not self.sizes:
+            raise ConfigError("capture_step needs at least one positive batch size")
+        dev = csm.device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
+        for n in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool memory
+            inputs = [
+                torch.full((n,), state.scratch, dtype=torch.long, device=dev),
+                torch.zeros(n, dtype=torch.float32, device=dev),
+                torch.zeros(n, dtype=torch.long, device=dev),
+                torch.zeros(n, dtype=torch.long, device=dev),
+            ]
+            with torch.no_grad():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up (allocator, kernels) in the scratch slot only
+                    for _ in range(2):
+                        csm._step_rows(state, *inputs)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = csm._step_rows(state, *inputs)
+            self.graphs[n] = (graph, inputs, out)
+
+    @torch.no_grad()
+    def __call__(self, slots: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor) -> Tensor:
+        slots = torch.as_tensor(slots, dtype=torch.long).cpu()
+        b = slots.shape[0]
+        n = next((m for m in self.sizes if m >= b), None)
+        if n is None:
+            return self.csm.step(self.state, slots, temperature, top_k, seeds)
+        _check_rows(self.state, slots)
+        graph, (g_slots, g_temp, g_topk, g_seeds), out = self.graphs[n]
+        pad = n - b
+        g_slots.copy_(torch.cat([slots, torch.full((pad,), self.state.scratch, dtype=torch.long)]), non_blocking=True)
+        g_temp.copy_(torch.cat([torch.as_tensor(temperature, dtype=torch.float32).cpu(), torch.zeros(pad)]), non_blocking=True)
+        g_topk.copy_(torch.cat([torch.as_tensor(top_k, dtype=torch.long).cpu(), torch.zeros(pad, dtype=torch.long)]), non_blocking=True)
+        g_seeds.copy_(torch.cat([torch.as_tensor(seeds, dtype=torch.long).cpu(), torch.zeros(pad, dtype=torch.long)]), non_blocking=True)
+        graph.replay()
+        return out[:b].clone()
 
 
 def _read_safetensors(root: Path) -> dict[str, Tensor]:

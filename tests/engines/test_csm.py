@@ -413,3 +413,32 @@ def test_sampled_frames_follow_the_documented_rng_steps(ckpts):
         assert torch.equal(codes[0], got[f]), f
         prompt = CSMPrompt(torch.cat([prompt.ids, torch.zeros(1, dtype=torch.long)]), torch.cat([prompt.codes, codes]),
                            torch.cat([prompt.is_audio, torch.ones(1, dtype=torch.bool)]))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_step_equals_solo(ckpts):
+    folder, _, _ = ckpts["k6_plain"]
+    gpu = CSM.from_pretrained(folder, device="cuda", dtype=torch.float32)
+    torch.manual_seed(8)
+    prompts = [torch.randint(0, 290, (1, t)) for t in (6, 3, 8)]
+    n = 12
+    solo = [gpu.generate_codes(prompts[0], n), gpu.generate_codes(prompts[1], n, greedy=False, temperature=1.0,
+                                                                   top_k=4, seed=9), gpu.generate_codes(prompts[2], n)]
+    state = gpu.new_batch(4, 40)
+    graphs = gpu.capture_step(state, sizes=(1, 2, 4))
+    params = [(0.0, 0, 0), (1.0, 4, 9), (0.0, 0, 0)]
+    joins = {0: 0, 1: 3, 2: 4}  # session -> step at which it joins (slot = session + 1)
+    out: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
+    for t in range(30):
+        for i, j in joins.items():
+            if j == t:
+                gpu.prefill(state, i + 1, prompts[i])
+        live = [i for i in range(3) if joins[i] <= t and len(out[i]) < n]
+        if not live:
+            break
+        codes = graphs(torch.tensor([i + 1 for i in live]), torch.tensor([params[i][0] for i in live]),
+                       torch.tensor([params[i][1] for i in live]), torch.tensor([params[i][2] for i in live]))
+        for row, i in enumerate(live):
+            out[i].append(codes[row].cpu())
+    for i in range(3):
+        torch.testing.assert_close(torch.stack(out[i]), solo[i], rtol=0, atol=0)
