@@ -487,10 +487,12 @@ def _special_tokens(path: Path, fmt: str, cfg: WhisperConfig, tok) -> SpecialTok
         suppress = list(ct2cfg["suppress_ids"])
         begin = list(ct2cfg.get("suppress_ids_begin", [220, eot]))
     else:
-        suppress = gen.get("suppress_tokens")
+        # Older HF folders keep the lists in config.json rather than generation_config.json.
+        hfcfg = _read_json(path / "config.json") if fmt == "hf" else {}
+        suppress = gen.get("suppress_tokens", hfcfg.get("suppress_tokens"))
         if suppress is None:
             suppress = _non_speech_default(tok, eot) if tok is not None else []
-        begin = gen.get("begin_suppress_tokens") or [220, eot]
+        begin = gen.get("begin_suppress_tokens") or hfcfg.get("begin_suppress_tokens") or [220, eot]
     # openai-whisper and faster-whisper always add the task and start tokens to the list.
     suppress = set(suppress) | {transcribe, translate, sot, sot_prev, sot_lm, no_speech}
     return SpecialTokens(eot=eot, sot=sot, sot_prev=sot_prev, no_timestamps=no_ts,

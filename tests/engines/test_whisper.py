@@ -190,6 +190,10 @@ def test_tiny_en_suppression_equals_faster_whisper(tiny, faster):
     tok = Tokenizer(faster.hf_tokenizer, faster.model.is_multilingual)
     assert set(tiny.tokens.suppress) == set(get_suppressed_tokens(tok, [-1]))
     assert tiny.tokens.suppress_begin == (220, tok.eot)
+    # The fallback list (for folders without one) is built from the tokenizer the same way.
+    from realtime.engines.whisper import _non_speech_default
+
+    assert _non_speech_default(tiny.tokenizer, tok.eot) == sorted(tok.non_speech_tokens)
     assert tiny.name == "tiny.en" and not tiny.is_multilingual and tiny.n_mels == 80
 
 
