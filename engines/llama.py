@@ -192,7 +192,9 @@ class TextModel(nn.Module):
             n_layers=int(key("block_count")),
             n_heads=n_heads,
             n_kv_heads=int(n_kv),
-            head_dim=int(meta.get(f"{arch}.attention.key_length") or dim // n_heads),
+            head_dim=int(
+                meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or dim // n_heads
+            ),
             intermediate_size=int(key("feed_forward_length")),
             rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -201,6 +203,9 @@ class TextModel(nn.Module):
             qk_norm=arch == "qwen3",
             attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         )
+        rope_dims = meta.get(f"{arch}.rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != cfg.head_dim:
+            raise UnsupportedError(f"partial RoPE ({rope_dims} of {cfg.head_dim} dims) is not supported")
         sd: dict[str, Tensor] = {}
         inv_freq = None
         layer_re = re.compile(r"blk\.(\d+)\.(.+)")
@@ -232,7 +237,7 @@ class TextModel(nn.Module):
             else:
                 raise ModelFormatError(f"unexpected GGUF tensor {t.name}")
             sd[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)  # copy: F32 data is a read-only memmap
-        tokenizer = TextTokenizer.from_gguf_metadata(meta)
+        tokenizer = TextTokenizer.from_gguf_metadata(meta) if "tokenizer.ggml.model" in meta else None
         emb = sd.get("model.embed_tokens.weight")
         if emb is None:
             raise ModelFormatError("GGUF file has no token_embd.weight")

@@ -210,3 +210,97 @@ def test_stream_decoder_never_splits_characters(ours: TextModel) -> None:
         assert all("\ufffd" not in p for p in pieces)
         assert "".join(pieces) == tok.decode(ids)
         assert sum(1 for p in pieces if p) >= min_pieces  # actually incremental
+
+
+def _write_gguf(path, hf_model, arch: str, qtypes: dict[str, "object"]) -> None:
+    """Write a HF model as GGUF the way llama.cpp's converter does (incl. its q/k permutation for llama)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if arch == "llama":
+        w.add_rope_dimension_count(cfg.head_dim)
+
+    def permute(a, n_head):
+        return a.reshape(n_head, 2, a.shape[0] // n_head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for k, v in hf_model.state_dict().items():
+        a = v.float().numpy()
+        if k == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif k == "lm_head.weight":
+            name = "output.weight"
+        elif k == "model.norm.weight":
+            name = "output_norm.weight"
+        else:
+            _, _, i, rest = k.split(".", 3)
+            mod, _, kind = rest.rpartition(".")
+            name = f"blk.{i}.{names[mod]}.{kind}"
+            if arch == "llama" and mod == "self_attn.q_proj":
+                a = permute(a, cfg.num_attention_heads)
+            elif arch == "llama" and mod == "self_attn.k_proj":
+                a = permute(a, cfg.num_key_value_heads)
+        q = qtypes.get(name.split(".")[-2], gguf.GGMLQuantizationType.F32) if a.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if q == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, np.ascontiguousarray(a))
+        elif q == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, quantize(a, q))  # a float16 array: its dtype names the type
+        else:
+            w.add_tensor(name, quantize(a, q), raw_dtype=q)  # uint8 blocks; the writer derives the shape
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_synthetic_gguf_quant_types_equal_transformers(arch: str, tmp_path) -> None:
+    """Random GQA models written as GGUF with several quant types load like transformers loads them."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    torch.manual_seed(7)
+    common = dict(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  initializer_range=0.1)
+    if arch == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        qtypes = {"attn_q": Q.Q4_0, "attn_k": Q.Q5_1, "attn_v": Q.F16, "attn_output": Q.Q8_0,
+                  "ffn_gate": Q.Q4_1, "ffn_up": Q.Q5_0, "ffn_down": Q.BF16, "token_embd": Q.Q8_0, "output": Q.F16}
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128))
+        qtypes = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.F16,
+                  "ffn_gate": Q.BF16, "ffn_up": Q.Q5_1, "ffn_down": Q.Q5_0, "token_embd": Q.F16, "output": Q.Q8_0}
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, hf, arch, qtypes)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ours = TextModel.from_pretrained(path)
+    assert not ours.tied and ours.config.qk_norm == (arch == "qwen3") and ours.config.n_kv_heads == 1
+    ref_sd = ref.state_dict()
+    mine = {f"model.{k}": v for k, v in ours.transformer.state_dict().items()}
+    mine["model.embed_tokens.weight"] = ours.embed_tokens.weight
+    mine["lm_head.weight"] = ours.lm_head.weight
+    assert set(mine) == set(ref_sd)
+    for k, v in mine.items():
+        assert torch.equal(v, ref_sd[k]), k
+    # And the un-permuted q/k are the original HF ones up to quantization error.
+    torch.testing.assert_close(ours.transformer.layers[0].self_attn.k_proj.weight,
+                               hf.model.layers[0].self_attn.k_proj.weight, atol=0.05, rtol=0)
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5, 35]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, rtol=1e-4, atol=1e-4)
