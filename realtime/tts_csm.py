@@ -117,14 +117,14 @@ class CSMFrameLane(Lane):
         temp = torch.tensor([j.engine_state.temperature for j in stepping], dtype=torch.float32)
         top_k = torch.tensor([j.engine_state.top_k for j in stepping], dtype=torch.long)
         seeds = torch.tensor([j.engine_state.seed for j in stepping], dtype=torch.long)
-        codes = b.csm.step(b.state, slots, temp, top_k, seeds).cpu()  # the one host sync per frame
+        codes = b.frame_step(slots, temp, top_k, seeds)  # [B, K] on the host: the one sync per frame
         eos = b.csm.is_eos(codes).tolist()
         share = (time.perf_counter() - t0) / len(stepping)
         for job, frame, end in zip(stepping, codes, eos, strict=True):
             st = job.engine_state
             job.compute_s += share
             st.frames_in_segment += 1
-            full = b.state.lengths[st.slot] >= b.state.max_seq_len - 1
+            full = b.state.lengths[st.slot] >= b.state.max_seq_len - 2
             with job.lock:
                 if not end:
                     st.codes.append(frame)
@@ -213,7 +213,8 @@ class CSMBackend(TTSBackend):
     default_chunk_ms = 80  # one Mimi frame
 
     def __init__(self, path: str, generator_device: str = "cpu", codec_device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, n_slots: int = 16, max_seq_len: int = 2048) -> None:
+                 dtype: torch.dtype = torch.float32, n_slots: int = 16, max_seq_len: int = 2048,
+                 cuda_graphs: bool | None = None) -> None:
         from realtime.codecs.mimi import Mimi
         from realtime.engines.csm import CSM
 
@@ -224,9 +225,14 @@ class CSMBackend(TTSBackend):
                                          num_codebooks=self.csm.num_codebooks)
         log.info("loaded Mimi (%d codebooks) in %.1fs", self.mimi.num_codebooks, time.perf_counter() - t0)
         self.n_slots = n_slots
-        self.state = self.csm.new_batch(n_slots, min(max_seq_len, self.csm.config.backbone.max_seq_len))
-        self.decoder = self.mimi.streaming_decoder(n_slots)
+        # One extra slot that no session owns: CUDA-graph buckets pad their batches with it.
+        self.scratch = n_slots
+        self.state = self.csm.new_batch(n_slots + 1, min(max_seq_len, self.csm.config.backbone.max_seq_len))
+        self.decoder = self.mimi.streaming_decoder(n_slots + 1)
         self.pool = SlotPool(n_slots)
+        on_cuda = str(generator_device).startswith("cuda") and str(codec_device).startswith("cuda")
+        self.cuda_graphs = on_cuda if cuda_graphs is None else (cuda_graphs and on_cuda)
+        self.step_graphs = self.decode_graphs = None
         self.native_rate = int(self.mimi.sample_rate)
         self.name = "csm"
         self.voices = ()
@@ -267,6 +273,22 @@ class CSMBackend(TTSBackend):
         self._wake_codec = scheduler.wake
         return job
 
+    def frame_step(self, slots: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
+                   seeds: torch.Tensor) -> torch.Tensor:
+        """One CSM frame for host tensors of B slots → host codes [B, K]."""
+        if self.step_graphs is None:
+            return self.csm.step(self.state, slots, temp, top_k, seeds).cpu()
+        n = len(slots)
+        for s in slots.tolist():  # the host-side bookkeeping csm.step skips for device slots
+            self.state.lengths[s] += 1
+
+        def fill(inp: list[torch.Tensor]) -> None:
+            for buf, src, pad in zip(inp, (slots, temp, top_k, seeds), (self.scratch, 0.0, 0, 0), strict=True):
+                buf.fill_(pad)
+                buf[:n].copy_(src, non_blocking=True)
+
+        return self.step_graphs.run(n, fill)[:n].cpu()
+
     def wake_codec(self) -> None:
         self._wake_codec()
 
@@ -274,21 +296,32 @@ class CSMBackend(TTSBackend):
         with self.pool.lock:
             dirty, self.pool.dirty = self.pool.dirty, set()
         if dirty:
-            mask = torch.zeros(self.n_slots, dtype=torch.bool)
+            mask = torch.zeros(self.n_slots + 1, dtype=torch.bool)  # + the scratch row
             mask[list(dirty)] = True
             self.decoder.reset(mask.to(self.codec_device))
 
     def decode_slots(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """One streaming decoder step for the given slots only: codes [B, K, 1] → [B, 1, 1920]."""
+        codes = codes.to(self.codec_device, non_blocking=True)
+        if self.decode_graphs is not None:
+            n = len(slots)
+
+            def fill(inp: list[torch.Tensor]) -> None:
+                inp[0].fill_(self.scratch)
+                inp[0][:n].copy_(slots, non_blocking=True)
+                inp[1].zero_()
+                inp[1][:n].copy_(codes)
+
+            return self.decode_graphs.run(n, fill)[:n]
+        return self._decode_subset(slots.to(self.codec_device), codes)
+
+    def _decode_subset(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Gather the slots' decoder state, step it, scatter it back (graph-capturable)."""
         from realtime.codecs.mimi import KVState
 
         dec = self.decoder
-        codes = codes.to(self.codec_device, non_blocking=True)
-        if len(slots) == self.n_slots and bool((slots == torch.arange(self.n_slots)).all()):
-            return dec.step(codes)
-        idx = slots.to(self.codec_device)
         sub = object.__new__(type(dec))
-        sub.mimi, sub.batch_size = dec.mimi, len(slots)
+        sub.mimi, sub.batch_size = dec.mimi, len(idx)
         sub.upsample_tail = dec.upsample_tail[idx]
         sub.convs = [c[idx] for c in dec.convs]
         sub.kv = KVState(dec.kv.k[:, idx], dec.kv.v[:, idx], dec.kv.kv_pos[idx], dec.kv.pos[idx])
@@ -330,8 +363,39 @@ class CSMBackend(TTSBackend):
     def mimi_dtype(self) -> torch.dtype:
         return next(self.mimi.parameters()).dtype
 
+    def capture_graphs(self) -> None:
+        from realtime.cuda_graphs import BucketGraphs, buckets_up_to
+
+        gdev, cdev = self.csm.device, self.codec_device
+        k = self.csm.num_codebooks
+        buckets = buckets_up_to(self.n_slots)
+        # The scratch slot needs a prompt in its cache once; its position is pinned after each step.
+        self.csm.prefill(self.state, self.scratch, self.csm.build_prompt("warm up", 0))
+
+        def pin_scratch() -> None:
+            self.state.pos[self.scratch] = 1
+            self.state.frames[self.scratch] = 0
+
+        def step_inputs(b: int) -> list[torch.Tensor]:
+            return [torch.full((b,), self.scratch, dtype=torch.long, device=gdev),
+                    torch.zeros(b, device=gdev), torch.zeros(b, dtype=torch.long, device=gdev),
+                    torch.zeros(b, dtype=torch.long, device=gdev)]
+
+        self.step_graphs = BucketGraphs("csm.step", lambda s, t, tk, sd: self.csm.step(self.state, s, t, tk, sd),
+                                        step_inputs, buckets, after_step=pin_scratch)
+        self.step_graphs.capture()
+
+        def dec_inputs(b: int) -> list[torch.Tensor]:
+            return [torch.full((b,), self.scratch, dtype=torch.long, device=cdev),
+                    torch.zeros(b, k, 1, dtype=torch.long, device=cdev)]
+
+        self.decode_graphs = BucketGraphs("mimi.decode", self._decode_subset, dec_inputs, buckets)
+        self.decode_graphs.capture()
+
     def warmup(self) -> None:
         t0 = time.perf_counter()
+        if self.cuda_graphs and self.step_graphs is None:
+            self.capture_graphs()
         slot = self.pool.take()
         try:
             prompt = self.csm.build_prompt("Warm up.", 0)

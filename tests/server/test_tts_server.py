@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import websockets
 
-from realtime.clients.tts import ServerError, TTSStream, synthesize_async
+from realtime.clients.tts import TTSStream, synthesize_async
 from realtime.codecs.resample import unpack_pcm
 from realtime.config import ServerConfig
 from realtime.errors import ConfigError

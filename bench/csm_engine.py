@@ -1,0 +1,193 @@
+"""CSM-1B + Mimi engine benchmark on one GPU: ours (eager and CUDA-graphed) vs HF transformers.
+
+    python bench/csm_engine.py --out bench/results/csm_engine.json [--folder /tmp/csm1b]
+
+Builds a CSM-1B checkpoint with random bf16 weights (HF default CsmConfig = the public csm-1b
+shapes) and saves it with save_pretrained, so both implementations load the same weights. Times
+frames/s at batch 1 for HF generate (eager and static cache) and for our step (eager, graphed),
+our graphed step at larger batches, and Mimi decode per frame; reports the bandwidth floor
+(weight bytes read per frame / measured copy bandwidth). Warm-up first; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer with Llama-3's special ids (no real tokenizer can be downloaded here)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab.update({chr(c): 256 + i for i, c in enumerate(range(33, 127))})
+    vocab[" "] = 400
+    specials = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|AUDIO|>": 128002, "<|audio_eos|>": 128003}
+    vocab.update(specials)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "isolated")
+    tok.decoder = decoders.ByteFallback()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def build(folder: Path) -> None:
+    import transformers
+
+    if (folder / "config.json").exists():
+        return
+    log("building CSM-1B with random bf16 weights on the GPU")
+    cfg = transformers.CsmConfig()
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = transformers.CsmForConditionalGeneration(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif not name.startswith("codec_model."):
+                p.normal_(0.0, 0.02)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    byte_tokenizer(folder)
+    del model
+    torch.cuda.empty_cache()
+    log(f"saved to {folder}")
+
+
+def cuda_time(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    ts = cuda_time(lambda: y.copy_(x), 10)
+    return 2 * x.numel() * 2 / statistics.median(ts)  # bytes read + written per second
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--folder", default="/tmp/csm1b")
+    ap.add_argument("--frames", type=int, default=48)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "csm_engine.json"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    folder = Path(args.folder)
+    build(folder)
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                 "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                          text=True).stdout.strip() or "unknown"}
+    bw = copy_bandwidth()
+    res["copy_bandwidth_TBps"] = bw / 1e12
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+
+    import transformers
+
+    from realtime.tts_csm import CSMBackend
+
+    text = "Hello there, how are you today?"
+    if not args.skip_hf:
+        log("HF transformers: loading")
+        hf = transformers.CsmForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.bfloat16).cuda().eval()
+        ids = torch.tensor([[128000] + list(range(300, 300 + len(text))) + [128001]], device="cuda")
+        for impl in ("eager", "static"):
+            kw = {"cache_implementation": "static"} if impl == "static" else {}
+            gen = lambda: hf.generate(ids, max_new_tokens=args.frames, min_new_tokens=args.frames, do_sample=False,
+                                      depth_decoder_do_sample=False, **kw)  # noqa: E731
+            try:
+                gen()  # warm-up
+                ts = cuda_time(gen, 3)
+                res[f"hf_{impl}_frames_per_s"] = args.frames / statistics.median(ts)
+                log(f"HF generate ({impl}): {res[f'hf_{impl}_frames_per_s']:.1f} frames/s")
+            except Exception as exc:  # report, keep going
+                res[f"hf_{impl}_error"] = repr(exc)[:300]
+                log(f"HF {impl} failed: {exc!r}")
+        # HF Mimi decode of one frame
+        codes = torch.randint(0, 2048, (1, 32, 1), device="cuda")
+        dec = lambda: hf.codec_model.decode(codes)  # noqa: E731
+        for _ in range(3):
+            dec()
+        res["hf_mimi_decode_ms"] = statistics.median(cuda_time(dec, 10)) * 1000
+        log(f"HF Mimi decode 1 frame: {res['hf_mimi_decode_ms']:.2f} ms")
+        del hf
+        torch.cuda.empty_cache()
+
+    n_slots = max(args.batches)
+    for graphs in (False, True):
+        tag = "graphed" if graphs else "eager"
+        log(f"ours ({tag}): loading + capture")
+        t0 = time.perf_counter()
+        b = CSMBackend(str(folder), "cuda", "cuda", torch.bfloat16, n_slots=n_slots, max_seq_len=1024,
+                       cuda_graphs=graphs)
+        if graphs:
+            b.capture_graphs()
+        res[f"ours_{tag}_setup_s"] = time.perf_counter() - t0
+        csm = b.csm
+        if "weight_bytes_per_frame" not in res:
+            bb = sum(p.numel() * p.element_size() for n, p in csm.named_parameters() if n.startswith("backbone"))
+            dd = sum(p.numel() * p.element_size() for n, p in csm.named_parameters()
+                     if n.startswith("depth") or n.startswith("codebooks_head"))
+            k = csm.num_codebooks
+            # per frame: the backbone twice (codebook-0 step reads lm_head; feed-back step reads the stack)
+            # is one pass of its weights; the depth stack once per codebook 1..K-1
+            res["weight_bytes_per_frame"] = bb + dd * (k - 1)
+            res["floor_frames_per_s"] = bw / 2 / res["weight_bytes_per_frame"]  # reads only: half the copy traffic
+        for bsz in args.batches if graphs else [1]:
+            slots = torch.arange(bsz)
+            for s in range(bsz):
+                csm.prefill(b.state, s, csm.build_prompt(text, 0))
+            temp, tk, sd = torch.full((bsz,), 0.9), torch.full((bsz,), 50, dtype=torch.long), torch.arange(bsz)
+
+            def frames(n: int = 16) -> None:
+                for _ in range(n):
+                    b.frame_step(slots, temp, tk, sd)
+
+            frames(4)
+            ts = cuda_time(frames, 5)
+            fps = 16 / statistics.median(ts)
+            res[f"ours_{tag}_b{bsz}_frames_per_s_per_stream"] = fps
+            res[f"ours_{tag}_b{bsz}_aggregate_frames_per_s"] = fps * bsz
+            log(f"ours {tag} batch {bsz}: {fps:.1f} frames/s per stream, {fps * bsz:.0f} aggregate")
+            for s in range(bsz):
+                b.state.reset([s])
+            codes = torch.randint(0, 2048, (bsz, 32, 1))
+            dec = lambda: b.decode_slots(slots, codes)  # noqa: E731
+            for _ in range(3):
+                dec()
+            res[f"ours_{tag}_b{bsz}_mimi_decode_ms"] = statistics.median(cuda_time(dec, 10)) * 1000
+            log(f"ours {tag} Mimi decode batch {bsz}: {res[f'ours_{tag}_b{bsz}_mimi_decode_ms']:.2f} ms")
+        b = None  # free the caches before the next variant
+        torch.cuda.empty_cache()
+    res["gpu_mem_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

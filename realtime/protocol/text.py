@@ -1,0 +1,335 @@
+"""Text generation protocol, sans I/O: /v1/text session states, request validation (shared with the
+OpenAI-compatible /v1/chat/completions), stop-string matching and the OpenAI response shapes.
+
+/v1/text states::
+
+    IDLE --start--> GENERATING --(done sent)--> IDLE      (one connection may run many requests)
+                        |
+                        +--cancel--> IDLE (the server answers with done, finish_reason "cancelled")
+    any state --protocol error--> FAILED
+
+A ``cancel`` while IDLE is ignored: the reply may have ended while the cancel was in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from realtime.errors import ProtocolError, StateError
+
+MAX_MESSAGES = 512
+MAX_PROMPT_CHARS = 200_000
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 64
+MAX_TOKENS_LIMIT = 32_768
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class TextState(str, Enum):
+    IDLE = "idle"
+    GENERATING = "generating"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Sampling and stop settings of one request (validated)."""
+
+    max_tokens: int | None = None  # None: until eos or the context is full
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: tuple[str, ...] = ()
+    seed: int | None = None  # None: the server picks one
+
+
+@dataclass(frozen=True)
+class Request:
+    """Exactly one of ``messages`` (chat, rendered with the model's template) or ``prompt`` (raw text)."""
+
+    messages: tuple[dict[str, str], ...] | None
+    prompt: str | None
+    params: GenParams
+
+
+@dataclass(frozen=True)
+class Start:
+    request: Request
+
+
+@dataclass(frozen=True)
+class Cancel:
+    pass
+
+
+Event = Start | Cancel
+
+
+def _bad(msg: str, code: str = "bad_field") -> ProtocolError:
+    return ProtocolError(msg, code=code)
+
+
+def _num(body: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise _bad(f"'{name}' must be a number between {lo:g} and {hi:g}")
+    return float(v)
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _bad(f"'{name}' must be an integer between {lo} and {hi}")
+    return int(v)
+
+
+def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
+    """OpenAI-style messages → ({"role", "content"}, ...). Content may be a string or a list of
+    ``{"type": "text", "text": ...}`` parts (other part types are refused)."""
+    if not isinstance(value, list) or not value:
+        raise _bad("'messages' must be a non-empty list", "missing_field")
+    if len(value) > MAX_MESSAGES:
+        raise _bad(f"at most {MAX_MESSAGES} messages")
+    out = []
+    total = 0
+    for m in value:
+        if not isinstance(m, dict):
+            raise _bad("each message must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise _bad(f"message role must be one of {', '.join(ROLES)}")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise _bad("only text content parts are supported")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise _bad("message content must be a string or a list of text parts")
+        total += len(content)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    if total > MAX_PROMPT_CHARS:
+        raise _bad(f"the messages hold more than {MAX_PROMPT_CHARS} characters", "too_long")
+    return tuple(out)
+
+
+def parse_params(body: dict[str, Any], *, default_temperature: float = 1.0) -> GenParams:
+    """Validate sampling fields (same names as OpenAI; ``max_completion_tokens`` is an alias)."""
+    max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
+    alias = _int(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
+    if max_tokens is None:
+        max_tokens = alias
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise _bad("'stop' must be a string or a list of strings")
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise _bad(f"at most {MAX_STOPS} stop strings of 1..{MAX_STOP_CHARS} characters")
+    seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    return GenParams(
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 0.0, 2.0, default_temperature),
+        top_p=_num(body, "top_p", 0.0, 1.0, 1.0),  # 0 keeps only the most likely token
+        top_k=_int(body, "top_k", 0, 1_000_000) or 0,
+        stop=stops,
+        seed=seed,
+    )
+
+
+def parse_request(body: dict[str, Any]) -> Request:
+    """A /v1/text ``start`` body or a chat-completions body → Request."""
+    has_m, has_p = body.get("messages") is not None, body.get("prompt") is not None
+    if has_m == has_p:
+        raise _bad("give exactly one of 'messages' or 'prompt'", "missing_field")
+    if has_p:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise _bad("'prompt' must be a non-empty string")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise _bad(f"'prompt' holds more than {MAX_PROMPT_CHARS} characters", "too_long")
+        return Request(None, prompt, parse_params(body))
+    return Request(parse_messages(body["messages"]), None, parse_params(body))
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    request: Request
+    model: str | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat_completion(body: dict[str, Any]) -> ChatRequest:
+    """Validate an OpenAI chat.completions body. ``n`` other than 1 and tools are refused."""
+    if body.get("messages") is None:
+        raise _bad("'messages' is required", "missing_field")
+    if body.get("prompt") is not None:
+        raise _bad("'prompt' is not a chat-completions field")
+    n = body.get("n")
+    if n not in (None, 1):
+        raise _bad("only n=1 is supported")
+    if body.get("tools") or body.get("functions"):
+        raise _bad("tools are not supported")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("'stream_options' must be an object")
+    return ChatRequest(parse_request(body), model, stream, bool(opts.get("include_usage", False)))
+
+
+class TextProtocol:
+    """Validates /v1/text client messages against the session state and turns them into events."""
+
+    def __init__(self) -> None:
+        self.state = TextState.IDLE
+
+    def receive(self, msg: dict[str, Any]) -> Event | None:
+        kind = msg.get("type")
+        if not isinstance(kind, str):
+            raise ProtocolError("a message needs a string 'type'", code="missing_field")
+        if self.state is TextState.FAILED:
+            raise StateError("the session has failed")
+        if kind == "start":
+            if self.state is TextState.GENERATING:
+                raise StateError("'start' while a reply is being generated (send 'cancel' first)")
+            req = parse_request(msg)
+            self.state = TextState.GENERATING
+            return Start(req)
+        if kind == "cancel":
+            if self.state is TextState.IDLE:
+                return None  # the reply already ended
+            self.state = TextState.IDLE
+            return Cancel()
+        raise ProtocolError(f"unknown message type '{kind[:40]}'", code="unknown_type")
+
+    def finished(self) -> None:
+        """The server sent ``done`` for the current request."""
+        if self.state is TextState.GENERATING:
+            self.state = TextState.IDLE
+
+    def fail(self) -> None:
+        self.state = TextState.FAILED
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string to complete, never emitting the stop string itself.
+
+    ``push`` returns the text that is safe to emit now: a tail that could be the start of a stop
+    string is held back until later text resolves it. Invariant: the held tail is the longest
+    suffix of the text seen that is a proper prefix of some stop string, so a stop string that
+    begins in emitted text is impossible.
+    """
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        assert not self.stopped, "push after a stop string matched"
+        s = self.held + text
+        if not self.stops:
+            self.held = ""
+            return s
+        # The stop string that completes first in the stream wins (ties: the longer one), as a
+        # token-by-token check would find it; everything from its start on is dropped.
+        hits = [(i + len(st), i) for st in self.stops if (i := s.find(st)) >= 0]
+        if hits:
+            self.stopped = True
+            self.held = ""
+            return s[: min(hits)[1]]
+        keep = 0
+        for st in self.stops:
+            for n in range(min(len(st) - 1, len(s)), keep, -1):
+                if s.endswith(st[:n]):
+                    keep = n
+                    break
+        self.held = s[len(s) - keep:] if keep else ""
+        return s[: len(s) - keep]
+
+    def flush(self) -> str:
+        """The generation ended without a stop string: the held tail is plain text after all."""
+        out, self.held = self.held, ""
+        return out
+
+
+# ---- server messages (/v1/text) ------------------------------------------------------------------
+
+def ready(session: str, model: str, context: int) -> dict[str, Any]:
+    return {"type": "ready", "session": session, "model": model, "context_tokens": context}
+
+
+def delta(text: str, tokens: int) -> dict[str, Any]:
+    return {"type": "delta", "text": text, "tokens": tokens}
+
+
+def done(finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float | None,
+         tokens_per_s: float | None) -> dict[str, Any]:
+    return {"type": "done", "finish_reason": finish_reason,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+            "ttft_ms": None if ttft_ms is None else round(ttft_ms, 2),
+            "tokens_per_s": None if tokens_per_s is None else round(tokens_per_s, 2)}
+
+
+# ---- OpenAI shapes ---------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_completion(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                    completion_tokens: int, created: int | None = None) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion", "created": int(created or time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": openai_finish(finish_reason), "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(cid: str, model: str, created: int, content: str | None = None, *, role: bool = False,
+               finish_reason: str | None = None, usage_: dict[str, int] | None = None,
+               empty_choices: bool = False) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    if role:
+        d["role"] = "assistant"
+    if content is not None:
+        d["content"] = content
+    choices = [] if empty_choices else [{"index": 0, "delta": d, "logprobs": None,
+                                          "finish_reason": None if finish_reason is None else openai_finish(finish_reason)}]
+    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def openai_finish(reason: str) -> str:
+    """Our finish reasons (stop, length, cancelled) → OpenAI's (stop, length)."""
+    return "length" if reason == "length" else "stop"
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    import json
+
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n".encode()

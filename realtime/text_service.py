@@ -1,0 +1,872 @@
+"""Text generation on the one scheduler: continuous batching over a static KV cache.
+
+Lanes (both on the "generator" worker, priority INTERACTIVE):
+
+- ``text.prefill``: a new request takes a free cache slot, its prompt is prefilled into that
+  slot and its first token sampled (jobs wait here, queued, while every slot is busy).
+- ``text.decode``: ONE batched ``decode_step`` for every active slot, then one batched sample.
+  Requests join after their prefill and leave when they stop, between steps.
+
+Per-slot decode state (last token, position, step counter, sampling parameters) lives in device
+tensors owned by ``BatchDecoder``, so a step copies nothing to the device except the slot list
+when the batch changes, and reads back exactly one thing: the sampled tokens [B]. Sampling uses
+``engines.sampling.sample`` with each request's seed and token counter, so a seeded request gives
+the same text alone or beside others. On CUDA the step can be captured as a CUDA graph per
+batch-size bucket (padding rows use a scratch slot); ``cuda_graphs=False`` keeps it eager.
+
+Python API (used by the voice agent)::
+
+    job = service.submit([{"role": "user", "content": "Hi"}], GenParams(max_tokens=64))
+    async for ev in job.stream():     # TextDelta(text, tokens) ..., then TextDone(...)
+        ...
+    service.cancel(job)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from realtime.errors import InternalError, OverloadedError, ProtocolError, RealtimeError
+from realtime.protocol import text as tp
+from realtime.protocol.text import GenParams, Request
+from realtime.scheduler import Job, JobState, Lane, OutputChannel, Priority
+from realtime.service import Service
+
+if TYPE_CHECKING:
+    from realtime.config import ServerConfig
+    from realtime.engines.llama import TextModel
+    from realtime.scheduler import Scheduler
+    from realtime.server import AppState
+
+log = logging.getLogger("realtime.text")
+
+TOKEN_SLACK_S = 0.2  # a reader needs the next token within this; speech due sooner wins the worker
+MIN_ROOM = 4  # output channel items kept free before a decode step (back-pressure)
+MAX_QUEUED_PER_SLOT = 4  # requests waiting for a slot, per slot, before submit refuses
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+# ---- the batched decoder (engine-side, no scheduler knowledge) -----------------------------------
+
+class BatchDecoder:
+    """A static KV cache of ``n_slots`` (+1 scratch slot) and the batched prefill/decode/sample.
+
+    Device state per slot s: tok[s] (last sampled token, not yet in the cache), pos[s] (where it
+    goes), step[s] (its index in the reply: the RNG counter), temp/top_k/top_p/seed[s].
+    """
+
+    def __init__(self, model: "TextModel", n_slots: int, max_seq_len: int, cuda_graphs: bool = False) -> None:
+        self.model = model
+        self.n_slots = n_slots
+        self.max_seq_len = max_seq_len
+        self.scratch = n_slots  # padding rows of a graphed step read/write only this slot
+        self.cache = model.new_cache(n_slots + 1, max_seq_len)
+        dev = model.device
+        n = n_slots + 1
+        self.tok = torch.zeros(n, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.step_no = torch.zeros(n, dtype=torch.long, device=dev)
+        self.temp = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(n, dtype=torch.long, device=dev)
+        self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
+        self._idx_key: tuple[int, ...] | None = None
+        self._idx: torch.Tensor | None = None
+        self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @torch.inference_mode()
+    def start(self, slot: int, ids: Sequence[int], temperature: float, top_k: int, top_p: float, seed: int) -> int:
+        """Reset ``slot``, prefill prompt ids [T] into it and sample the reply's first token (returned)."""
+        assert 0 <= slot < self.n_slots and 0 < len(ids) <= self.max_seq_len
+        from realtime.engines.sampling import sample
+
+        self.cache.reset([slot])
+        logits = self.model.prefill(self.cache, slot, list(ids))
+        self.temp[slot] = float(temperature)
+        self.top_k[slot] = int(top_k)
+        self.top_p[slot] = float(top_p)
+        self.seed[slot] = int(seed)
+        self.step_no[slot] = 0
+        s = slice(slot, slot + 1)
+        first = sample(logits[None], self.temp[s], self.top_k[s], self.top_p[s], self.seed[s], self.step_no[s])
+        self.tok[s] = first
+        self.pos[slot] = len(ids)
+        self.step_no[slot] = 1
+        return int(first.item())  # one read per new request
+
+    def _eager(self, idx: torch.Tensor, greedy: bool) -> torch.Tensor:
+        from realtime.engines.sampling import greedy as argmax
+        from realtime.engines.sampling import sample
+
+        pos = self.pos[idx]
+        logits = self.model.decode_step(self.cache, idx, self.tok[idx], pos)
+        if greedy:
+            nxt = argmax(logits)
+        else:
+            nxt = sample(logits, self.temp[idx], self.top_k[idx], self.top_p[idx], self.seed[idx], self.step_no[idx])
+        self.tok[idx] = nxt
+        self.pos[idx] = pos + 1
+        self.step_no[idx] = self.step_no[idx] + 1
+        return nxt
+
+    @torch.inference_mode()
+    def step(self, slots: Sequence[int], greedy: bool = False) -> list[int]:
+        """One token for each slot in ``slots`` (each at its own position) → the sampled ids.
+
+        ``greedy``: every row has temperature 0 (argmax only; the host knows this, the device need
+        not branch). The caller keeps every pos < max_seq_len.
+        """
+        if not slots:
+            return []
+        if self.cuda_graphs:
+            return self._graphed(slots, greedy)
+        key = tuple(slots)
+        if key != self._idx_key:  # the batch changed: one small host→device copy
+            self._idx = torch.tensor(key, dtype=torch.long, device=self.device)
+            self._idx_key = key
+        return self._eager(self._idx, greedy).tolist()  # the one host sync per step
+
+    def _bucket(self, b: int) -> int:
+        for size in BUCKETS:
+            if size >= b:
+                return size
+        raise AssertionError(f"batch {b} above the largest bucket")
+
+    def _graphed(self, slots: Sequence[int], greedy: bool) -> list[int]:
+        b = len(slots)
+        size = min(self._bucket(b), self._bucket(self.n_slots))
+        entry = self._graphs.get((size, greedy))
+        if entry is None:
+            entry = self._capture(size, greedy)
+        graph, idx_buf, out = entry
+        padded = list(slots) + [self.scratch] * (size - b)
+        idx_buf.copy_(torch.tensor(padded, dtype=torch.long), non_blocking=False)
+        graph.replay()
+        return out[:b].tolist()
+
+    def _capture(self, size: int, greedy: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Capture one step for a static slot buffer of ``size`` rows (warm-up runs on the scratch slot)."""
+        idx_buf = torch.full((size,), self.scratch, dtype=torch.long, device=self.device)
+        saved = [t[self.scratch].clone() for t in (self.tok, self.pos, self.step_no)]
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._eager(idx_buf, greedy)
+                self._reset_scratch()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._eager(idx_buf, greedy)
+            self._reset_scratch()
+        self._pool = graph.pool()
+        for t, v in zip((self.tok, self.pos, self.step_no), saved, strict=True):
+            t[self.scratch] = v
+        self._graphs[(size, greedy)] = (graph, idx_buf, out)
+        return self._graphs[(size, greedy)]
+
+    def _reset_scratch(self) -> None:
+        # Padding rows advance the scratch slot's position; pin it at 0 so it never runs off the cache.
+        self.pos[self.scratch] = 0
+        self.step_no[self.scratch] = 0
+
+    def capture_all(self) -> None:
+        """Capture every bucket up to n_slots (CUDA graphs only; warm-up)."""
+        if not self.cuda_graphs:
+            return
+        for size in BUCKETS:
+            for greedy in (True, False):
+                if (size, greedy) not in self._graphs:
+                    self._capture(size, greedy)
+            if size >= self.n_slots:
+                break
+
+
+# ---- jobs ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    tokens: int  # completion tokens this delta covers (text may be held back across tokens)
+
+
+@dataclass(frozen=True)
+class TextDone:
+    finish_reason: str  # "stop" (eos or a stop string), "length" (max_tokens or context full), "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+    tokens_per_s: float | None
+    text: str  # the whole reply as emitted
+
+
+class TextJob(Job):
+    """One request: prompt ids, sampling settings, stop conditions, and its output channel."""
+
+    priority = Priority.INTERACTIVE
+
+    def __init__(self, ids: list[int], params: GenParams, seed: int, max_new: int,
+                 tokenizer: Any, eos_ids: set[int]) -> None:
+        from realtime.engines.tokenizer import StreamDecoder
+
+        super().__init__()
+        self.ids = ids
+        self.params = params
+        self.seed = seed
+        self.max_new = max_new
+        self.eos_ids = eos_ids
+        self.decoder = StreamDecoder(tokenizer)
+        self.matcher = tp.StopMatcher(params.stop)
+        self.output = OutputChannel(capacity=256)
+        self.slot: int | None = None
+        self.prefilled = False
+        self.completion_tokens = 0
+        self.pending_tokens = 0
+        self.text_parts: list[str] = []
+        self.t_submit = time.monotonic()
+        self.t_first: float | None = None
+        self.t_last = self.t_submit
+        self.finish_reason: str | None = None
+        self._event: asyncio.Event | None = None
+
+    def deadline(self, now: float) -> float:
+        if not self.prefilled:
+            return self.created  # first token first, as for first audio
+        return self.t_last + TOKEN_SLACK_S
+
+    def notify(self) -> None:
+        self.output.close()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def summary(self, reason: str | None = None) -> TextDone:
+        ttft = None if self.t_first is None else (self.t_first - self.t_submit) * 1000
+        rate = None
+        if self.t_first is not None and self.completion_tokens > 1 and self.t_last > self.t_first:
+            rate = (self.completion_tokens - 1) / (self.t_last - self.t_first)
+        return TextDone(reason or self.finish_reason or "cancelled", self.prompt_tokens, self.completion_tokens,
+                        ttft, rate, self.text)
+
+    # ---- asyncio side ----
+    def bind(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Deliver output wake-ups to ``loop`` (default: the running loop). Idempotent."""
+        if self._event is None:
+            self._event = asyncio.Event()
+            self.output.bind(loop or asyncio.get_running_loop(), self._event)
+
+    async def stream(self, wake: Callable[[], None] | None = None) -> AsyncIterator[TextDelta | TextDone]:
+        """Yield TextDelta ..., then one TextDone (finish_reason "cancelled" when cancelled).
+        Raises the job's RealtimeError if it failed (an InternalError for engine bugs)."""
+        self.bind()
+        assert self._event is not None
+        while True:
+            items = self.output.take()
+            if items and wake is not None:
+                wake()  # room in the channel again: the decode lane may step this job
+            for item in items:
+                yield item  # type: ignore[misc]
+                if isinstance(item, TextDone):
+                    return
+            if not items:
+                if self.state is JobState.FAILED:
+                    err = self.error
+                    raise err if isinstance(err, RealtimeError) else InternalError("text generation failed")
+                if self.state is JobState.CANCELLED or (self.output.closed and not self.output.items):
+                    yield self.summary("cancelled")
+                    return
+                await self._event.wait()
+                self._event.clear()
+
+    async def result(self, wake: Callable[[], None] | None = None) -> TextDone:
+        """Wait for the whole reply."""
+        done = None
+        async for ev in self.stream(wake):
+            if isinstance(ev, TextDone):
+                done = ev
+        assert done is not None
+        return done
+
+    # ---- worker side ----
+    def on_token(self, tok: int, now: float, context_full: bool) -> bool:
+        """Account one sampled token; put deltas/done on the channel. Returns True when the job ended."""
+        self.completion_tokens += 1
+        self.pending_tokens += 1
+        if self.t_first is None:
+            self.t_first = now
+        self.t_last = now
+        if tok in self.eos_ids:
+            self._finish("stop")
+            return True
+        out = self.matcher.push(self.decoder.push(tok))
+        if self.matcher.stopped:
+            self._put(out)
+            self._finish("stop", flush=False)
+            return True
+        if self.completion_tokens >= self.max_new or context_full:
+            self._put(out)
+            self._finish("length")
+            return True
+        self._put(out)
+        return False
+
+    def _put(self, text: str) -> None:
+        if text:
+            self.text_parts.append(text)
+            self.output.put(TextDelta(text, self.pending_tokens))
+            self.pending_tokens = 0
+
+    def _finish(self, reason: str, flush: bool = True) -> None:
+        if flush and not self.matcher.stopped:
+            tail = self.matcher.push(self.decoder.flush())
+            self._put(tail if self.matcher.stopped else tail + self.matcher.flush())
+        self.pending_tokens = 0  # tokens that made no text (eos, held bytes) count in usage only
+        self.finish_reason = "stop" if self.matcher.stopped else reason
+        with self.lock:
+            if self.active:
+                self.output.put(self.summary())
+                self.state = JobState.FINISHED
+        self.output.close()
+
+
+# ---- lanes ---------------------------------------------------------------------------------------
+
+class SlotPool:
+    def __init__(self, n: int) -> None:
+        self.free = list(range(n))[::-1]
+        self.lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self.lock:
+            return self.free.pop() if self.free else None
+
+    def give(self, slot: int) -> None:
+        with self.lock:
+            assert slot not in self.free
+            self.free.append(slot)
+
+    def available(self) -> int:
+        return len(self.free)
+
+
+class TextPrefillLane(Lane):
+    name = "text.prefill"
+    worker = "generator"
+    max_batch = 4  # prefills per step (each its own forward): bounds the pause seen by decoding streams
+
+    def __init__(self, service: "TextService") -> None:
+        super().__init__()
+        self.svc = service
+        self.pool = SlotPool(service.engine.n_slots)
+
+    def is_ready(self, job: TextJob) -> bool:  # type: ignore[override]
+        return not job.prefilled and self.pool.available() > 0
+
+    def run(self, jobs: list[TextJob]) -> None:  # type: ignore[override]
+        eng = self.svc.engine
+        for job in jobs:
+            if not job.active or job.prefilled:
+                continue
+            if job.slot is None:
+                job.slot = self.pool.take()
+                if job.slot is None:
+                    return  # every slot busy: the rest wait for a release
+            p = job.params
+            try:
+                tok = eng.start(job.slot, job.ids, p.temperature, p.top_k, p.top_p, job.seed)
+            except RealtimeError as exc:  # fail only this request
+                job.fail(exc)
+                continue
+            job.prefilled = True
+            now = time.monotonic()
+            self.svc.observe_ttft(now - job.t_submit)
+            job.on_token(tok, now, context_full=len(job.ids) >= eng.max_seq_len)
+
+    def release(self, job: Job) -> None:
+        slot = getattr(job, "slot", None)
+        if slot is not None:
+            self.pool.give(slot)
+
+
+class TextDecodeLane(Lane):
+    name = "text.decode"
+    worker = "generator"
+
+    def __init__(self, service: "TextService") -> None:
+        super().__init__()
+        self.svc = service
+        self.max_batch = service.engine.n_slots
+        self.tokens = 0  # tokens produced by decode steps (for stats/tests)
+
+    def is_ready(self, job: TextJob) -> bool:  # type: ignore[override]
+        return job.prefilled and job.finish_reason is None and job.output.room() > MIN_ROOM
+
+    def run(self, jobs: list[TextJob]) -> None:  # type: ignore[override]
+        eng = self.svc.engine
+        jobs = [j for j in jobs if j.active and j.finish_reason is None]
+        if not jobs:
+            return
+        jobs.sort(key=lambda j: j.slot)  # a stable slot order keeps the device slot list cached
+        greedy = all(j.params.temperature <= 0 for j in jobs)
+        toks = eng.step([j.slot for j in jobs], greedy=greedy)
+        now = time.monotonic()
+        self.tokens += len(toks)
+        for job, tok in zip(jobs, toks, strict=True):
+            # pos of the token just sampled = prompt + tokens so far - 1; it needs a cache row too
+            full = len(job.ids) + job.completion_tokens >= eng.max_seq_len
+            job.on_token(tok, now, context_full=full)
+
+
+# ---- the service ---------------------------------------------------------------------------------
+
+class TextService(Service):
+    """Chat/text completion over the scheduler: /v1/text (WebSocket) and /v1/chat/completions."""
+
+    name = "text"
+
+    def __init__(self, config: "ServerConfig", *, n_slots: int | None = None, max_seq_len: int | None = None,
+                 model: "TextModel | None" = None, cuda_graphs: bool | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.n_slots = n_slots
+        self.max_seq_len = max_seq_len
+        self.cuda_graphs = cuda_graphs
+        self.engine: BatchDecoder | None = None
+        self.scheduler: "Scheduler | None" = None
+        self.prefill_lane: TextPrefillLane | None = None
+        self.decode_lane: TextDecodeLane | None = None
+        self._state: Callable[[], "AppState"] | None = None
+        self._seed_lock = threading.Lock()
+        self._seed_gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    # ---- lifecycle ----
+    def load(self) -> None:
+        if self.engine is not None:
+            return  # loaded already (a service reused across apps in tests)
+        from realtime.engines.llama import TextModel
+
+        t0 = time.perf_counter()
+        cuda = self.config.generator_device.startswith("cuda")
+        if self.model is None:
+            self.model = TextModel.from_pretrained(self.config.text_model, device=self.config.generator_device,
+                                                   dtype=getattr(torch, self.config.dtype))
+        if self.model.tokenizer is None:
+            from realtime.errors import ConfigError
+
+            raise ConfigError("the text model has no tokenizer")
+        n = self.n_slots or (64 if cuda else 16)
+        seq = min(self.max_seq_len or (8192 if cuda else 2048), self.model.max_seq_len)
+        graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
+        self.engine = BatchDecoder(self.model, n, seq, cuda_graphs=graphs)
+        log.info("text model %s: %d slots x %d tokens on %s in %.1fs", self.model.name, n, seq,
+                 self.config.generator_device, time.perf_counter() - t0)
+
+    def attach(self, scheduler: "Scheduler") -> None:
+        assert self.engine is not None, "load() first"
+        self.scheduler = scheduler
+        self.prefill_lane = scheduler.add_lane(TextPrefillLane(self))  # type: ignore[assignment]
+        self.decode_lane = scheduler.add_lane(TextDecodeLane(self))  # type: ignore[assignment]
+
+    def warmup(self) -> None:
+        eng = self.engine
+        assert eng is not None
+        t0 = time.perf_counter()
+        slot = eng.n_slots - 1  # not yet handed out: the scheduler has not started
+        eng.start(slot, self.tokenizer.encode("Hello"), 0.0, 0, 1.0, 0)
+        eng.step([slot], greedy=True)
+        eng.capture_all()
+        log.info("warmed up text model in %.2fs", time.perf_counter() - t0)
+
+    def describe(self) -> list[dict[str, Any]]:
+        if self.model is None or self.engine is None:
+            return []
+        return [{"id": self.model.name, "object": "model", "kind": "text", "owned_by": "realtime",
+                 "context_tokens": self.engine.max_seq_len, "slots": self.engine.n_slots}]
+
+    @property
+    def tokenizer(self) -> Any:
+        assert self.model is not None
+        return self.model.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name if self.model is not None else "text"
+
+    def observe_ttft(self, seconds: float) -> None:
+        if self._state is not None:
+            try:
+                self._state().metrics.text_ttft.observe(seconds)
+            except KeyError:  # app not started (Python API use without the server)
+                pass
+
+    # ---- Python API ----
+    def encode(self, request: Request) -> list[int]:
+        tok = self.tokenizer
+        if request.messages is not None:
+            # The template writes BOS itself where the model wants one.
+            return tok.encode(tok.apply_chat_template(list(request.messages)), add_special=False)
+        assert request.prompt is not None
+        return tok.encode(request.prompt, add_special=True)
+
+    def submit(self, request: "Request | Sequence[dict[str, str]] | str", params: GenParams | None = None) -> TextJob:
+        """Queue a request: a Request, chat messages, or a raw prompt string (+ params).
+
+        Raises ProtocolError (bad messages, prompt longer than the context) and OverloadedError
+        (server full). Call from the event loop thread (the job's channel binds to it) or any
+        thread (then call ``job.bind(loop)`` before consuming).
+        """
+        assert self.engine is not None and self.scheduler is not None, "load() and attach() first"
+        if not isinstance(request, Request):
+            params = params or GenParams()
+            if isinstance(request, str):
+                request = Request(None, request, params)
+            else:
+                request = Request(tp.parse_messages(list(request)), None, params)
+        ids = self.encode(request)
+        limit = self.engine.max_seq_len
+        if not ids:
+            raise ProtocolError("the prompt is empty", code="bad_field")
+        if len(ids) >= limit:
+            raise ProtocolError(f"the prompt has {len(ids)} tokens; this model's context is {limit}",
+                                code="context_length_exceeded")
+        p = request.params
+        room = limit - len(ids)
+        max_new = room if p.max_tokens is None else min(p.max_tokens, room)
+        if p.seed is None:
+            with self._seed_lock:
+                seed = int(torch.randint(0, 2**62, (), generator=self._seed_gen))
+        else:
+            seed = p.seed
+        assert self.prefill_lane is not None and self.decode_lane is not None
+        waiting = sum(1 for j in list(self.prefill_lane.jobs) if not getattr(j, "prefilled", True))
+        if waiting >= MAX_QUEUED_PER_SLOT * self.engine.n_slots:
+            raise OverloadedError("too many text requests are waiting; try again shortly")
+        job = TextJob(ids, p, seed, max_new, self.tokenizer, set(self.tokenizer.eos_ids))
+        try:
+            job.bind()
+        except RuntimeError:  # no running loop in this thread: the caller binds
+            pass
+        self.scheduler.submit(job, [self.prefill_lane, self.decode_lane])
+        return job
+
+    def cancel(self, job: TextJob) -> None:
+        assert self.scheduler is not None
+        self.scheduler.cancel(job)
+
+    def wake(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.wake()
+
+    # ---- routes ----
+    def routes(self, state: Callable[[], "AppState"]) -> list:
+        from starlette.routing import Route, WebSocketRoute
+
+        self._state = state
+
+        async def text_ws(ws):  # noqa: ANN001, ANN202
+            from realtime.server import run_websocket
+
+            await run_websocket(state(), ws, lambda st, conn: TextSession(self, st, conn).run())
+
+        async def chat(request):  # noqa: ANN001, ANN202
+            return await chat_completions(self, state(), request)
+
+        return [WebSocketRoute("/v1/text", text_ws), Route("/v1/chat/completions", chat, methods=["POST"])]
+
+
+class TextSession:
+    """One /v1/text connection: many sequential requests, each streamed as deltas and a done."""
+
+    def __init__(self, svc: TextService, app: "AppState", conn: Any) -> None:
+        self.svc, self.app, self.conn = svc, app, conn
+        self.proto = tp.TextProtocol()
+        self.id = uuid.uuid4().hex[:16]
+        self.job: TextJob | None = None
+        self.pump: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        try:
+            await self._loop()
+        except RealtimeError as exc:
+            self.proto.fail()
+            self.app.metrics.errors.inc()
+            await self.conn.fail(exc)
+        except Exception:
+            log.exception("text session %s crashed", self.id)
+            self.proto.fail()
+            await self.conn.fail(InternalError("internal error"))
+        finally:
+            if self.job is not None and self.job.active:
+                self.svc.cancel(self.job)
+            if self.pump is not None:
+                if not self.pump.done():
+                    self.pump.cancel()
+                await asyncio.gather(self.pump, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            recv = asyncio.ensure_future(self.conn.recv())
+            while True:
+                waits: set[asyncio.Future[Any]] = {recv}
+                if self.pump is not None and not self.pump.done():
+                    waits.add(self.pump)
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if self.pump is not None and self.pump.done():
+                    pump, self.pump = self.pump, None
+                    exc = pump.exception()
+                    if exc is not None:
+                        recv.cancel()
+                        raise exc
+                if recv.done():
+                    break
+            msg = recv.result()
+            if msg is None or self.conn.closed:
+                return
+            event = self.proto.receive(msg)
+            if isinstance(event, tp.Start):
+                job = self.svc.submit(event.request)
+                self.job = job
+                self.app.metrics.streams.inc()
+                await self.conn.send({**tp.ready(self.id, self.svc.model_name, self.svc.engine.max_seq_len),
+                                      "prompt_tokens": job.prompt_tokens})
+                self.pump = asyncio.ensure_future(self._pump(job))
+            elif isinstance(event, tp.Cancel):
+                assert self.job is not None
+                self.svc.cancel(self.job)
+                if self.pump is not None:
+                    await asyncio.gather(self.pump, return_exceptions=True)
+                    self.pump = None
+
+    async def _pump(self, job: TextJob) -> None:
+        async for ev in job.stream(self.svc.wake):
+            if isinstance(ev, TextDelta):
+                await self.conn.send(tp.delta(ev.text, ev.tokens))
+            else:
+                await self.conn.send(tp.done(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens,
+                                             ev.ttft_ms, ev.tokens_per_s))
+                self.proto.finished()
+
+
+async def chat_completions(svc: TextService, state: "AppState", request: Any) -> Any:
+    """POST /v1/chat/completions (OpenAI-compatible; streaming as server-sent events)."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    from realtime.errors import AuthError
+    from realtime.server import authorized, json_body
+
+    if not authorized(state.config, request.headers, request.query_params):
+        return _oa_error(AuthError("missing or bad API key"), 401)
+    try:
+        body = await json_body(request, state.config.max_frame_bytes)
+        req = tp.parse_chat_completion(body)
+        job = svc.submit(req.request)
+    except OverloadedError as exc:
+        return _oa_error(exc, 503)
+    except RealtimeError as exc:
+        return _oa_error(exc, 400)
+    state.metrics.streams.inc()
+    cid = "chatcmpl-" + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    model = svc.model_name
+
+    if not req.stream:
+        try:
+            done = await job.result(svc.wake)
+        except RealtimeError as exc:
+            return _oa_error(exc, 500 if isinstance(exc, InternalError) else 400)
+        finally:
+            if job.active:
+                svc.cancel(job)
+        return JSONResponse(tp.chat_completion(cid, model, done.text, done.finish_reason, done.prompt_tokens,
+                                               done.completion_tokens, created))
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield tp.sse(tp.chat_chunk(cid, model, created, "", role=True))
+            async for ev in job.stream(svc.wake):
+                if isinstance(ev, TextDelta):
+                    yield tp.sse(tp.chat_chunk(cid, model, created, ev.text))
+                else:
+                    yield tp.sse(tp.chat_chunk(cid, model, created, finish_reason=ev.finish_reason))
+                    if req.include_usage:
+                        yield tp.sse(tp.chat_chunk(cid, model, created, empty_choices=True,
+                                                   usage_=tp.usage(ev.prompt_tokens, ev.completion_tokens)))
+            yield tp.sse("[DONE]")
+        except RealtimeError as exc:
+            yield tp.sse({"error": {"message": exc.message, "type": "server_error", "code": exc.code}})
+        finally:
+            if job.active:
+                svc.cancel(job)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _oa_error(exc: RealtimeError, status: int) -> Any:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    from starlette.responses import JSONResponse
+
+    kind = {400: "invalid_request_error", 401: "authentication_error", 503: "overloaded_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": None, "code": exc.code}},
+                        status_code=status)
+
+
+# ---- CLI: realtime chat --------------------------------------------------------------------------
+
+def add_cli(subparsers: Any) -> None:
+    c = subparsers.add_parser("chat", help="chat with the text model (interactive, or one-shot with -p)")
+    c.add_argument("-p", "--prompt", default=None, help="one-shot: send PROMPT, print the reply, exit")
+    c.add_argument("--url", default="ws://127.0.0.1:8000/v1/text")
+    c.add_argument("--local", action="store_true", help="run the model in this process (no server)")
+    c.add_argument("--model", default=None, help="with --local: a Llama/Qwen3 folder or .gguf (default: embedded)")
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=None)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--generator-device", default="cpu")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.set_defaults(fn=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.top_p is not None:
+        params["top_p"] = args.top_p
+    if args.seed is not None:
+        params["seed"] = args.seed
+    try:
+        turn = _local_turn(args) if args.local else _remote_turn(args)
+    except (RealtimeError, OSError) as exc:
+        print(f"realtime chat: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 1
+    interactive = args.prompt is None
+    lines = [args.prompt] if not interactive else None
+    tty = sys.stdin.isatty()
+    while True:
+        if lines is not None:
+            if not lines:
+                return 0
+            line = lines.pop()
+        else:
+            if tty:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply, done = turn(history, params)
+        except RealtimeError as exc:
+            print(f"\nrealtime chat: {exc.message}", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"\nrealtime chat: {exc}", file=sys.stderr)
+            return 1
+        history.append({"role": "assistant", "content": reply})
+        print(flush=True)
+        if done.get("ttft_ms") is not None:
+            print(f"[{done.get('finish_reason')}, {done['usage']['completion_tokens']} tokens, "
+                  f"ttft {done['ttft_ms']:.0f} ms]", file=sys.stderr)
+
+
+def _remote_turn(args: argparse.Namespace) -> Callable[[list, dict], tuple[str, dict]]:
+    import json
+
+    from websockets.exceptions import WebSocketException
+    from websockets.sync.client import connect
+
+    url = args.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    if not url.rstrip("/").endswith("/v1/text"):
+        url = url.rstrip("/") + "/v1/text"
+    key = args.api_key or os.environ.get("REALTIME_API_KEY")
+    try:
+        ws = connect(url, additional_headers={"Authorization": f"Bearer {key}"} if key else None, open_timeout=10)
+    except (WebSocketException, OSError, TimeoutError) as exc:
+        raise OSError(f"cannot connect to {url}: {exc}") from None
+
+    def turn(history: list, params: dict) -> tuple[str, dict]:
+        try:
+            ws.send(json.dumps({"type": "start", "messages": history, **params}))
+            parts = []
+            while True:
+                msg = json.loads(ws.recv(timeout=300))
+                kind = msg.get("type")
+                if kind == "delta":
+                    parts.append(msg["text"])
+                    print(msg["text"], end="", flush=True)
+                elif kind == "done":
+                    return "".join(parts), msg
+                elif kind == "error":
+                    raise RealtimeError(msg.get("message", "error"), code=msg.get("code"))
+        except (WebSocketException, TimeoutError) as exc:
+            raise OSError(f"connection lost: {exc}") from None
+
+    return turn
+
+
+def _local_turn(args: argparse.Namespace) -> Callable[[list, dict], tuple[str, dict]]:
+    from realtime.engines.llama import TextModel
+    from realtime.engines.tokenizer import StreamDecoder
+
+    model = TextModel.from_pretrained(args.model, device=args.generator_device, dtype=getattr(torch, args.dtype))
+    tok = model.tokenizer
+    eng = BatchDecoder(model, 1, min(model.max_seq_len, 4096))
+
+    def turn(history: list, params: dict) -> tuple[str, dict]:
+        ids = tok.encode(tok.apply_chat_template(history), add_special=False)
+        if len(ids) >= eng.max_seq_len:
+            raise ProtocolError("the conversation no longer fits the model's context")
+        p = tp.parse_params(params)
+        dec, parts = StreamDecoder(tok), []
+        t0 = time.perf_counter()
+        t = eng.start(0, ids, p.temperature, p.top_k, p.top_p, p.seed or 0)
+        ttft = (time.perf_counter() - t0) * 1000
+        n, reason = 1, "length"
+        limit = min(p.max_tokens or eng.max_seq_len, eng.max_seq_len - len(ids))
+        while True:
+            if t in tok.eos_ids:
+                reason = "stop"
+                break
+            s = dec.push(t)
+            parts.append(s)
+            print(s, end="", flush=True)
+            if n >= limit:
+                break
+            t = eng.step([0], greedy=p.temperature <= 0)[0]
+            n += 1
+        tail = dec.flush()
+        parts.append(tail)
+        print(tail, end="", flush=True)
+        return "".join(parts), {"finish_reason": reason, "usage": {"completion_tokens": n}, "ttft_ms": ttft}
+
+    return turn

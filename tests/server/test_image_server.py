@@ -1,0 +1,242 @@
+"""/v1/image, /v1/images/generations and /v1/video on a real uvicorn server (tiny random DiT + VAE)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+import torch
+import websockets
+from diffusers import AutoencoderKL, AutoencoderTiny, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+from PIL import Image
+
+from realtime.clients.tts import TTSStream
+from realtime.config import ServerConfig
+from realtime.engines.diffusion import DiTEngine
+from realtime.image_service import DiTStepLane, ImageJob, ImageService
+from realtime.protocol.image import ImageParams
+from realtime.scheduler import Lane, Priority, pick
+from realtime.server import create_app
+
+from liveserver import serve
+
+SIZE = 64  # 8x8 latents through a 4-block (8x) VAE
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):  # noqa: ANN001, ANN201
+    d = tmp_path_factory.mktemp("dit_serving")
+    torch.manual_seed(0)
+    dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
+                                num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000)
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.normal_(0, 0.05)
+    torch.manual_seed(5)
+    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, latent_channels=4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, down_block_types=("DownEncoderBlock2D",) * 4)
+    DiTPipeline(transformer=dit.eval(), vae=vae.eval(), scheduler=DDIMScheduler()).save_pretrained(d)
+    torch.manual_seed(6)
+    AutoencoderTiny(encoder_block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4).save_pretrained(
+        d / "preview_decoder")
+    return d
+
+
+@pytest.fixture(scope="module")
+def live(ckpt, piper_backend):  # noqa: ANN001, ANN201
+    cfg = ServerConfig(warmup=False, image_model=str(ckpt))
+    svc = ImageService(cfg)
+    app = create_app(cfg, tts=piper_backend, services=[svc])
+    with serve(app) as srv:
+        srv.svc = svc
+        yield srv
+
+
+def offline_png_pixels(folder, label: int, seed: int, steps: int, g: float) -> np.ndarray:  # noqa: ANN001
+    eng = DiTEngine.from_pretrained(folder)
+    img = eng.decode(eng.generate([label], [seed], steps, g, "ddim"))[0]
+    return (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+def pixels(data: bytes, fmt: str) -> np.ndarray:
+    im = Image.open(io.BytesIO(data))
+    assert im.format == fmt
+    return np.asarray(im.convert("RGB"))
+
+
+async def session(url: str, start: dict, json_frames: bool = False, on_msg=None) -> tuple[list[dict], int]:  # noqa: ANN001
+    """Run one request; returns (messages, close code)."""
+    msgs = []
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps(start) if json_frames else msgpack.packb(start, use_bin_type=True))
+        try:
+            async for frame in ws:
+                msg = json.loads(frame) if json_frames else msgpack.unpackb(frame, raw=False)
+                if json_frames and "image" in msg:
+                    msg["image"] = base64.b64decode(msg["image"])
+                msg["_t"] = time.monotonic()
+                msgs.append(msg)
+                if on_msg is not None:
+                    await on_msg(ws, msg)
+        except websockets.ConnectionClosed:
+            pass
+        code = ws.close_code
+    return msgs, code
+
+
+async def test_previews_then_final_equals_offline(live, ckpt) -> None:  # noqa: ANN001
+    start = {"type": "start", "class_label": 3, "steps": 6, "seed": 11, "guidance": 4.0, "preview_every": 2,
+             "preview_size": 32, "preview": "latent2rgb"}
+    msgs, code = await session(f"{live.ws}/v1/image", start)
+    assert code == 1000
+    kinds = [m["type"] for m in msgs]
+    assert kinds == ["ready", "preview", "preview", "final", "done"], kinds
+    assert msgs[0]["steps"] == 6 and msgs[0]["size"] == SIZE and msgs[0]["seed"] == 11
+    assert [(m["step"], m["of"]) for m in msgs[1:3]] == [(2, 6), (4, 6)]  # step 6 is the final itself
+    for p in msgs[1:3]:
+        assert pixels(p["image"], "JPEG").shape == (32, 32, 3)
+    assert msgs[1]["ms"] <= msgs[2]["ms"] <= msgs[3]["ms"]
+    got = pixels(msgs[3]["image"], "PNG")
+    assert got.shape == (SIZE, SIZE, 3)
+    want = offline_png_pixels(ckpt, 3, 11, 6, 4.0)
+    diff = np.abs(got.astype(int) - want.astype(int))
+    assert diff.max() <= 1, diff.max()  # equal up to 8-bit rounding
+    assert want.std() > 1  # not a flat image: the comparison means something
+    st = msgs[-1]["stats"]
+    assert st["steps"] == 6 and st["previews"] == 2 and not st["cancelled"]
+    assert 0 < st["first_preview_ms"] <= st["total_ms"] and st["step_ms_p50"] > 0
+
+
+async def test_json_frames_taesd_every_step(live) -> None:  # noqa: ANN001
+    start = {"type": "start", "prompt": "917", "steps": 4, "seed": 1, "sampler": "euler"}
+    msgs, code = await session(f"{live.ws}/v1/image", start, json_frames=True)
+    assert code == 1000
+    assert [m["type"] for m in msgs] == ["ready", "preview", "preview", "preview", "final", "done"]
+    assert msgs[0]["preview"] == "taesd"  # the checkpoint has preview_decoder/
+    assert [m["step"] for m in msgs[1:4]] == [1, 2, 3]
+    for p in msgs[1:4]:
+        assert pixels(p["image"], "JPEG").shape == (SIZE, SIZE, 3)  # default preview size = model size
+    assert pixels(msgs[4]["image"], "PNG").shape == (SIZE, SIZE, 3)
+
+
+async def test_cancel_stops_within_one_step(live) -> None:  # noqa: ANN001
+    steps = 250
+
+    async def on_msg(ws, msg):  # noqa: ANN001, ANN202
+        if msg["type"] == "preview" and msg["step"] == 3:
+            await ws.send(msgpack.packb({"type": "cancel"}))
+
+    msgs, code = await session(f"{live.ws}/v1/image", {"type": "start", "class_label": 1, "steps": steps,
+                                                       "preview_size": 16}, on_msg=on_msg)
+    assert code == 1000
+    assert msgs[-1]["type"] == "done" and msgs[-1]["stats"]["cancelled"] is True
+    assert "final" not in [m["type"] for m in msgs]
+    job = live.svc.recent[-1]
+    assert job.cancel_at_step is not None and job.cancel_at_step < steps
+    await asyncio.sleep(0.3)
+    n = job.steps
+    assert n <= job.cancel_at_step + 1, (n, job.cancel_at_step)  # at most the step already running
+    assert len(job.step_ms) == n  # the lane counted exactly these steps for the job
+    assert job not in live.svc.lane.jobs  # reaped
+    await asyncio.sleep(0.1)
+    assert job.steps == n
+
+
+async def test_bad_requests_close_with_codes(live) -> None:  # noqa: ANN001
+    cases = [({"type": "start", "class_label": 5000}, "bad_field", 1008),
+             ({"type": "start", "class_label": 1, "size": 512}, "unsupported", 1003),
+             ({"type": "start", "prompt": "a red fox"}, "unsupported", 1003),
+             ({"type": "start", "class_label": 1, "steps": 0}, "bad_field", 1008),
+             ({"type": "paint"}, "unknown_type", 1008),
+             ({"type": "cancel"}, "bad_state", 1008)]
+    for start, err, close in cases:
+        msgs, code = await session(f"{live.ws}/v1/image", start)
+        assert [m["type"] for m in msgs] == ["error"] and msgs[0]["code"] == err, (start, msgs)
+        assert code == close
+
+
+async def test_video_route_exists_without_engine(live) -> None:  # noqa: ANN001
+    msgs, code = await session(f"{live.ws}/v1/video", {"type": "start", "class_label": 1, "frames": 16, "fps": 8})
+    assert msgs[0]["type"] == "error" and msgs[0]["code"] == "unsupported"
+    assert msgs[0]["message"] == "no video model loaded" and code == 1003
+
+
+async def test_http_generations(live, ckpt) -> None:  # noqa: ANN001
+    async with httpx.AsyncClient(base_url=live.http, timeout=60) as c:
+        r = await c.post("/v1/images/generations", json={"prompt": "3", "n": 2, "size": f"{SIZE}x{SIZE}",
+                                                          "response_format": "b64_json", "seed": 11, "steps": 6})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert isinstance(body["created"], int) and len(body["data"]) == 2
+        imgs = [pixels(base64.b64decode(d["b64_json"]), "PNG") for d in body["data"]]
+        assert all(i.shape == (SIZE, SIZE, 3) for i in imgs)
+        want = offline_png_pixels(ckpt, 3, 11, 6, 4.0)  # image i uses seed + i
+        assert np.abs(imgs[0].astype(int) - want.astype(int)).max() <= 1
+        assert not np.array_equal(imgs[0], imgs[1])
+        for bad, code in (({"prompt": "a cat"}, "unsupported"), ({"prompt": "3", "n": 9}, "bad_field"),
+                          ({"prompt": "3", "size": "512x512"}, "unsupported")):
+            r = await c.post("/v1/images/generations", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["code"] == code
+        models = (await c.get("/v1/models")).json()["data"]
+        img = [d for d in models if d.get("kind") == "image"]
+        assert img and img[0]["size"] == SIZE and img[0]["preview_decoder"] is True
+
+
+async def test_speech_keeps_its_deadlines_next_to_images(live) -> None:  # noqa: ANN001
+    """One TTS stream and two image requests at once: speech has no underrun over 100 ms."""
+    async def speak() -> dict:
+        async with TTSStream(f"{live.ws}/v1/tts", format="pcm_s16le", sample_rate=24000) as s:
+            await s.send_text("The quick brown fox jumps over the lazy dog. ")
+            await s.send_text("Then it runs into the forest and is gone.")
+            await s.stop()
+            async for _ in s:
+                pass
+        return s.stats
+
+    lane_steps = live.svc.lane.steps
+    start = {"type": "start", "class_label": 5, "steps": 60, "preview_size": 32}
+    stats, (a, _), (b, _) = await asyncio.gather(
+        speak(), session(f"{live.ws}/v1/image", {**start, "seed": 1}),
+        session(f"{live.ws}/v1/image", {**start, "seed": 2}))
+    assert [m["type"] for m in a][-2:] == ["final", "done"] and [m["type"] for m in b][-2:] == ["final", "done"]
+    assert live.svc.lane.steps - lane_steps >= 60  # image steps ran (batched) while speech streamed
+    assert stats["audio_ms"] > 2000
+    assert stats["underruns_over_100ms"] == 0, stats
+
+
+class _FakeSpeechLane(Lane):
+    name = "speech"
+
+    def is_ready(self, job) -> bool:  # noqa: ANN001
+        return True
+
+    def run(self, jobs) -> None:  # noqa: ANN001
+        pass
+
+
+def test_scheduler_prefers_speech_due_within_a_second() -> None:
+    """The ordering the mixed test relies on, without threads or timing: EDF with BACKGROUND slack."""
+    from realtime.scheduler import Job
+
+    now = 100.0
+    speech = Job(now=now)  # REALTIME, due at its creation (first audio)
+    params = ImageParams(1, 10, 4.0, 0, SIZE, 1, SIZE, "ddim", "latent2rgb")
+    img = ImageJob(params, seed=0)
+    svc = type("S", (), {"max_batch": 4})()
+    image_lane, speech_lane = DiTStepLane(svc), _FakeSpeechLane()  # type: ignore[arg-type]
+    image_lane.add(img)
+    speech_lane.add(speech)
+    assert img.priority is Priority.BACKGROUND
+    choice = pick([image_lane, speech_lane], now)
+    assert choice is not None and choice.lane is speech_lane
+    speech.deadline = lambda t: t + 0.9  # speech buffered 0.9 s ahead: still wins over image steps
+    assert pick([image_lane, speech_lane], now).lane is speech_lane
+    speech.deadline = lambda t: t + 1.5  # buffered far ahead: the image step fills the gap
+    assert pick([image_lane, speech_lane], now).lane is image_lane
