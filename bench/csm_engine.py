@@ -167,6 +167,15 @@ def main() -> int:
                     b.frame_step(slots, temp, tk, sd)
 
             frames(4)
+            if bsz == 1:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    frames(2)
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
+                res[f"profile_{tag}_b1"] = table
+                print(table, flush=True)
             ts = cuda_time(frames, 5)
             fps = 16 / statistics.median(ts)
             res[f"ours_{tag}_b{bsz}_frames_per_s_per_stream"] = fps

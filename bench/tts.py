@@ -88,6 +88,8 @@ def main() -> int:
     ap.add_argument("--generator-device", default="cpu")
     ap.add_argument("--codec-device", default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--slots", type=int, default=64, help="CSM KV-cache slots (max concurrent streams)")
+    ap.add_argument("--eager", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -103,10 +105,14 @@ def main() -> int:
     from realtime.server import create_app, load_tts
 
     cfg = ServerConfig(generator_device=args.generator_device, codec_device=args.codec_device or args.generator_device,
-                       dtype=args.dtype, tts_model=args.tts_model, max_streams=1024)
+                       dtype=args.dtype, tts_model=args.tts_model, max_streams=1024, tts_slots=args.slots,
+                       cuda_graphs=not args.eager)
     log(f"loading model ({args.tts_model or 'embedded Piper voice'}) on {cfg.generator_device}/{cfg.codec_device}")
     backend = load_tts(cfg)
-    app = create_app(cfg, tts=backend)
+    if hasattr(backend, "warmup"):
+        log("warm-up / CUDA-graph capture")
+        backend.warmup()
+    app = create_app(cfg, tts=backend, services=[])
     results: dict = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": platform.machine(),
                      "cpu_count": os.cpu_count(), "model": backend.name, "devices": [cfg.generator_device, cfg.codec_device]}
     try:

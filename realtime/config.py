@@ -20,6 +20,8 @@ class ServerConfig:
     codec_device: str = "cpu"
     dtype: str = "float32"
     tts_model: str | None = None  # None: the embedded Piper voice; a CSM checkpoint folder otherwise
+    tts_slots: int = 16  # CSM: concurrent streams with a preallocated KV-cache slot
+    cuda_graphs: bool = True  # CSM on CUDA: graph the frame step and the codec step (False: eager)
     asr_model: str | None = None  # None: embedded Whisper tiny.en (when enabled)
     text_model: str | None = None  # None: embedded SmolLM2 (when enabled)
     image_model: str | None = None

@@ -59,7 +59,8 @@ def load_tts(config: ServerConfig) -> TTSBackend:
         return PiperBackend(config.tts_model, config.generator_device, config.codec_device, dtype)
     from realtime.tts_csm import CSMBackend
 
-    return CSMBackend(config.tts_model, config.generator_device, config.codec_device, dtype)
+    return CSMBackend(config.tts_model, config.generator_device, config.codec_device, dtype,
+                      n_slots=config.tts_slots, cuda_graphs=config.cuda_graphs)
 
 
 def authorized(config: ServerConfig, headers: Any, query: Any) -> bool:

@@ -86,7 +86,6 @@ class BatchDecoder:
         self._idx_key: tuple[int, ...] | None = None
         self._idx: torch.Tensor | None = None
         self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
-        self._pool = None
 
     @property
     def device(self) -> torch.device:
@@ -174,10 +173,11 @@ class BatchDecoder:
                 self._reset_scratch()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # Each graph keeps its own memory pool: simpler to reason about than a shared one, and the
+        # intermediates of one step are small next to the weights and the KV cache.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._eager(idx_buf, greedy)
             self._reset_scratch()
-        self._pool = graph.pool()
         for t, v in zip((self.tok, self.pos, self.step_no), saved, strict=True):
             t[self.scratch] = v
         self._graphs[(size, greedy)] = (graph, idx_buf, out)
@@ -188,6 +188,7 @@ class BatchDecoder:
         self.pos[self.scratch] = 0
         self.step_no[self.scratch] = 0
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket up to n_slots (CUDA graphs only; warm-up)."""
         if not self.cuda_graphs:

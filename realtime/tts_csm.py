@@ -225,9 +225,10 @@ class CSMBackend(TTSBackend):
                                          num_codebooks=self.csm.num_codebooks)
         log.info("loaded Mimi (%d codebooks) in %.1fs", self.mimi.num_codebooks, time.perf_counter() - t0)
         self.n_slots = n_slots
-        # One extra slot that no session owns: CUDA-graph buckets pad their batches with it.
-        self.scratch = n_slots
-        self.state = self.csm.new_batch(n_slots + 1, min(max_seq_len, self.csm.config.backbone.max_seq_len))
+        self.state = self.csm.new_batch(n_slots, min(max_seq_len, self.csm.config.backbone.max_seq_len))
+        # The state's extra scratch row (no session owns it) pads CUDA-graph batches; the decoder
+        # gets the same extra row.
+        self.scratch = self.state.scratch
         self.decoder = self.mimi.streaming_decoder(n_slots + 1)
         self.pool = SlotPool(n_slots)
         on_cuda = str(generator_device).startswith("cuda") and str(codec_device).startswith("cuda")
@@ -278,16 +279,7 @@ class CSMBackend(TTSBackend):
         """One CSM frame for host tensors of B slots → host codes [B, K]."""
         if self.step_graphs is None:
             return self.csm.step(self.state, slots, temp, top_k, seeds).cpu()
-        n = len(slots)
-        for s in slots.tolist():  # the host-side bookkeeping csm.step skips for device slots
-            self.state.lengths[s] += 1
-
-        def fill(inp: list[torch.Tensor]) -> None:
-            for buf, src, pad in zip(inp, (slots, temp, top_k, seeds), (self.scratch, 0.0, 0, 0), strict=True):
-                buf.fill_(pad)
-                buf[:n].copy_(src, non_blocking=True)
-
-        return self.step_graphs.run(n, fill)[:n].cpu()
+        return self.step_graphs(slots, temp, top_k, seeds).cpu()
 
     def wake_codec(self) -> None:
         self._wake_codec()
@@ -366,24 +358,12 @@ class CSMBackend(TTSBackend):
     def capture_graphs(self) -> None:
         from realtime.cuda_graphs import BucketGraphs, buckets_up_to
 
-        gdev, cdev = self.csm.device, self.codec_device
+        cdev = self.codec_device
         k = self.csm.num_codebooks
         buckets = buckets_up_to(self.n_slots)
-        # The scratch slot needs a prompt in its cache once; its position is pinned after each step.
-        self.csm.prefill(self.state, self.scratch, self.csm.build_prompt("warm up", 0))
-
-        def pin_scratch() -> None:
-            self.state.pos[self.scratch] = 1
-            self.state.frames[self.scratch] = 0
-
-        def step_inputs(b: int) -> list[torch.Tensor]:
-            return [torch.full((b,), self.scratch, dtype=torch.long, device=gdev),
-                    torch.zeros(b, device=gdev), torch.zeros(b, dtype=torch.long, device=gdev),
-                    torch.zeros(b, dtype=torch.long, device=gdev)]
-
-        self.step_graphs = BucketGraphs("csm.step", lambda s, t, tk, sd: self.csm.step(self.state, s, t, tk, sd),
-                                        step_inputs, buckets, after_step=pin_scratch)
-        self.step_graphs.capture()
+        t0 = time.perf_counter()
+        self.step_graphs = self.csm.capture_step(self.state, sizes=buckets)
+        log.info("captured csm.step for batches %s in %.1fs", buckets, time.perf_counter() - t0)
 
         def dec_inputs(b: int) -> list[torch.Tensor]:
             return [torch.full((b,), self.scratch, dtype=torch.long, device=cdev),
