@@ -1,0 +1,218 @@
+"""Decode attention (one query token per row) over a static per-slot KV cache, GQA, split over S.
+
+Flash-decoding: the key range [0, Tmax) is cut into NUM_SPLITS chunks; program (b, kv head, split)
+attends the G = H / Hkv query heads of that kv head to its chunk (online softmax in float32) and
+writes an unnormalised partial; a second small kernel merges the splits. The split count depends
+only on static shapes (B, Hkv, Tmax), never on the lengths, so the launch is CUDA-graph friendly;
+chunks past a row's length exit at once.
+
+Cache layout is the engine's per-layer view ``KVCache.k[layer]``: [S slots, Hkv, Tmax, D].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._triton import check, use_triton
+
+__all__ = ["decode_attention", "decode_attention_ref"]
+
+_BLOCK_N = 64  # keys per inner step
+_TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H200
+
+
+def decode_attention_ref(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float
+) -> Tensor:
+    """PyTorch reference (SDPA with a key mask): q [B, H, D] -> out [B, H, D]."""
+    k = k_cache[slots].to(q.dtype)  # [B, Hkv, Tmax, D]
+    v = v_cache[slots].to(q.dtype)
+    tmax = k.shape[2]
+    mask = torch.arange(tmax, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [B, Tmax]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out[:, :, 0]
+
+
+@functools.cache
+def _kernels():
+    global triton, tl  # the jit'd functions resolve `tl` through module globals
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr,  # *q [B, H, D], strides sq_b, sq_h (unit stride on D)
+        k_ptr,  # *k_cache [S, Hkv, Tmax, D], strides sk_s, sk_h, sk_t
+        v_ptr,  # *v_cache [S, Hkv, Tmax, D], strides sv_s, sv_h, sv_t
+        slots_ptr,  # *slots [B] int64: cache slot of each row
+        len_ptr,  # *lengths [B] int64: valid key positions [0, length) of each row
+        acc_ptr,  # *acc [B, H, NUM_SPLITS, D] float32 output: unnormalised sum p * v per split
+        ml_ptr,  # *ml [B, H, NUM_SPLITS, 2] float32 output: (running max in log2 units, sum p) per split
+        qk_scale,  # softmax scale * log2(e): exp2 instead of exp
+        TMAX,
+        sq_b, sq_h,
+        sk_s, sk_h, sk_t,
+        sv_s, sv_h, sv_t,
+        H: tl.constexpr,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        CHUNK: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
+        slot = tl.load(slots_ptr + b)
+        length = tl.minimum(tl.load(len_ptr + b), TMAX)  # never read past the cache
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, length)
+
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        gm = g < G
+        dm = d < D
+        heads = kvh * G + g  # the query heads sharing this kv head
+        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        q = q.to(DOT_DTYPE)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        k_base = k_ptr + slot * sk_s + kvh * sk_h
+        v_base = v_ptr + slot * sv_s + kvh * sv_h
+        # A constexpr trip count with a runtime guard: blocks past the row's length are skipped
+        # (runtime loop bounds also trip the CPU interpreter, which keeps scalars as 1-element arrays).
+        for i in range(CHUNK // BLOCK_N):
+            start = lo + i * BLOCK_N
+            if start < hi:
+                n = start + tl.arange(0, BLOCK_N)
+                nm = n < hi
+                kv_mask = nm[:, None] & dm[None, :]
+                k = tl.load(k_base + n[:, None].to(tl.int64) * sk_t + d[None, :], mask=kv_mask, other=0.0)
+                k = k.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)  # the engine casts the cache to q's dtype
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+                s = tl.where(nm[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_base + n[:, None].to(tl.int64) * sv_t + d[None, :], mask=kv_mask, other=0.0)
+                v = v.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
+                # p in the dot dtype (bf16 on tensor cores, as flash attention does; float32 stays exact).
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+                m_i = m_new
+
+        row = (b * H + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+        tl.store(ml_ptr + row * 2, m_i, mask=gm)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        acc_ptr,  # *acc [B, H, NUM_SPLITS, D] float32 partials
+        ml_ptr,  # *ml [B, H, NUM_SPLITS, 2] float32 (max in log2 units, sum p)
+        o_ptr,  # *out [B, H, D] output, contiguous, in q's dtype
+        D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK_SPLITS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        bh = tl.program_id(0).to(tl.int64)
+        sp = tl.arange(0, BLOCK_SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        spm = sp < NUM_SPLITS
+        m = tl.load(ml_ptr + (bh * NUM_SPLITS + sp) * 2, mask=spm, other=float("-inf"))
+        l = tl.load(ml_ptr + (bh * NUM_SPLITS + sp) * 2 + 1, mask=spm, other=0.0)
+        m_max = tl.max(m, axis=0)
+        # Empty splits carry m = -inf, l = 0; guard the all-empty row (length 0) against -inf - -inf.
+        w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+        acc = tl.load(acc_ptr + (bh * NUM_SPLITS + sp)[:, None] * D + d[None, :], mask=spm[:, None] & (d[None, :] < D), other=0.0)
+        num = tl.sum(acc * w[:, None], axis=0)
+        den = tl.sum(l * w, axis=0)
+        out = num / tl.where(den > 0, den, 1.0)
+        tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+    return _decode_split_kernel, _decode_merge_kernel
+
+
+def _num_splits(b: int, hkv: int, tmax: int) -> int:
+    """Enough (b, kv head, split) programs to fill the GPU, each at least one BLOCK_N of keys."""
+    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, b * hkv), triton.cdiv(tmax, _BLOCK_N)))
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    lengths: Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """q [B, H, D]; k_cache, v_cache [S, Hkv, Tmax, D]; slots [B] long; lengths [B] long -> out [B, H, D].
+
+    Row b attends q[b] to cache slot slots[b] at positions [0, lengths[b]) (lengths in [1, Tmax];
+    not checked on the device, which would need a host sync; lengths > Tmax are clamped, a length
+    of 0 gives zeros here and NaN in the reference). H % Hkv == 0 (GQA). ``scale`` defaults to
+    1/sqrt(D). The cache may have another dtype than q (it is cast on load, like the engine does).
+    ``num_splits`` overrides the static split heuristic.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if not use_triton("decode_attention", q, k_cache, v_cache, slots, lengths):
+        return decode_attention_ref(q, k_cache, v_cache, slots, lengths, scale)
+    check(q.dim() == 3, f"q must be [B, H, D], got {tuple(q.shape)}")
+    b, h, d = q.shape
+    check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, f"k_cache/v_cache must be one shape [S, Hkv, Tmax, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    _, hkv, tmax, dk = k_cache.shape
+    check(dk == d, f"cache head dim {dk} != q head dim {d}")
+    check(h % hkv == 0, f"H={h} must be a multiple of Hkv={hkv}")
+    check(16 <= d <= 256, f"head dim must be in [16, 256], got {d}")
+    check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype} not supported")
+    check(k_cache.dtype == v_cache.dtype and k_cache.is_floating_point(), "k_cache/v_cache must share a float dtype")
+    check(slots.shape == (b,) and lengths.shape == (b,), f"slots and lengths must be [B={b}], got {tuple(slots.shape)}, {tuple(lengths.shape)}")
+    check(slots.dtype == torch.long and lengths.dtype == torch.long, "slots and lengths must be int64")
+    check(slots.is_contiguous() and lengths.is_contiguous(), "slots and lengths must be contiguous")
+    check(q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "the last dim (D) must have unit stride")
+    split_kernel, merge_kernel = _kernels()
+    out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
+    if b == 0:
+        return out
+    ns = num_splits or _num_splits(b, hkv, tmax)
+    chunk = triton.cdiv(triton.cdiv(tmax, ns), _BLOCK_N) * _BLOCK_N  # a whole number of BLOCK_N
+    ns = triton.cdiv(tmax, chunk)
+    g = h // hkv
+    block_d = triton.next_power_of_2(d)
+    # Dots in q's dtype on the GPU (bf16/fp16 tensor cores). The CPU interpreter multiplies bf16 as
+    # raw integers, so it dots in float32; float32 dots are always exact ("ieee", not tf32).
+    if q.dtype == torch.float32 or not q.is_cuda:
+        dot_dtype, precision = tl.float32, "ieee"
+    else:
+        dot_dtype, precision = (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"
+    acc = torch.empty((b, h, ns, d), device=q.device, dtype=torch.float32)
+    ml = torch.empty((b, h, ns, 2), device=q.device, dtype=torch.float32)
+    split_kernel[(b, hkv, ns)](
+        q, k_cache, v_cache, slots, lengths, acc, ml, float(scale) * math.log2(math.e), tmax,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=h, G=g, D=d, CHUNK=chunk, NUM_SPLITS=ns,
+        BLOCK_G=max(16, triton.next_power_of_2(g)),  # tl.dot needs M >= 16
+        BLOCK_D=block_d, BLOCK_N=_BLOCK_N, DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4,
+    )
+    merge_kernel[(b * h,)](
+        acc, ml, out, D=d, NUM_SPLITS=ns, BLOCK_SPLITS=triton.next_power_of_2(ns), BLOCK_D=block_d, num_warps=4,
+    )
+    return out

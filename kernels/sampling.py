@@ -1,0 +1,173 @@
+"""Fused sampling: temperature, top-k and Gumbel-max in one kernel, one program per row.
+
+Same contract and the same counter-based noise as ``realtime.engines.sampling.sample`` with
+top_p = 1 (no top-p here): the uniform noise is the integer hash of (seed, step, vocab index),
+bit for bit; temperature uses an IEEE-rounded division and, on the GPU, the Gumbel transform uses
+libdevice's accurate logf like PyTorch's CUDA log, so tokens equal the engine's. Two documented
+differences, both measure-zero for real logits: ties at the top-k boundary keep the lowest vocab
+indices (a stable sort; torch.sort makes no promise), and -0.0 ranks below +0.0.
+
+Top-k without a sort: a radix select finds the k-th largest temperature-scaled logit (4 passes,
+8 bits each, over an order-preserving uint32 key), then a final pass adds the noise and takes the
+argmax over the kept tokens. Rows with top-k off or greedy rows skip the select.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ._triton import check, use_triton
+
+__all__ = ["sample", "sample_ref"]
+
+_BLOCK_V = 2048  # vocab entries per inner step
+
+
+def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
+    """PyTorch reference: the engine sampler with top-p off. logits [B, V] -> tokens [B] long."""
+    from realtime.engines.sampling import sample as engine_sample
+
+    top_p = torch.ones(logits.shape[0], device=logits.device, dtype=torch.float32)
+    return engine_sample(logits, temperature, top_k, top_p, seeds, steps)
+
+
+@functools.cache
+def _kernels():
+    # The jit'd functions resolve `tl`, `libdevice` and the helper through module globals.
+    global triton, tl, libdevice, _hash32
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _hash32(x):
+        # lowbias32 xor-shift-multiply on uint32 (wraps mod 2**32), = engines.sampling._hash32.
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        x = x ^ (x >> 16)
+        return x
+
+    @triton.jit
+    def _sample_kernel(
+        logits_ptr,  # *logits [B, V] (any float dtype), row stride stride_l, unit column stride
+        temp_ptr,  # *temperature [B] float32 (<= 0: greedy)
+        topk_ptr,  # *top_k [B] int64 (<= 0 or >= V: off)
+        seed_ptr,  # *seeds [B] int64
+        step_ptr,  # *steps [B] int64
+        out_ptr,  # *tokens [B] int64 output
+        V,
+        stride_l,
+        N_BLOCKS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        LIBDEVICE_LOG: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride_l
+        temp = tl.load(temp_ptr + row)
+        greedy = temp <= 0
+        temp = tl.where(greedy, 1.0, temp)
+        k = tl.load(topk_ptr + row)
+        topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
+
+        # Row key of the noise: fold the 64-bit seed and step, each fold re-hashed (as the engine).
+        seed = tl.load(seed_ptr + row)
+        step = tl.load(step_ptr + row)
+        key = _hash32((seed & 0xFFFFFFFF).to(tl.uint32))
+        key = _hash32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
+        key = _hash32(key ^ (step & 0xFFFFFFFF).to(tl.uint32))
+        key = _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
+
+        # Radix select of the k-th largest scaled logit: `thr` its order key, `k_rem` how many of the
+        # entries equal to it are kept (the first ones in vocab order).
+        thr = tl.full([], 0, tl.uint32)
+        k_rem = k.to(tl.int32)
+        if topk_on:
+            bins = tl.arange(0, 256)
+            for p in tl.static_range(4):
+                shift: tl.constexpr = 24 - 8 * p
+                hist = tl.zeros([256], tl.int32)
+                for i in range(N_BLOCKS):
+                    idx = i * BLOCK_V + tl.arange(0, BLOCK_V)
+                    valid = idx < V
+                    x = tl.math.div_rn(tl.load(base + idx, mask=valid, other=0.0).to(tl.float32), temp)
+                    bits = x.to(tl.uint32, bitcast=True)
+                    # Order-preserving key: flip all bits of negatives, the sign bit of positives.
+                    okey = bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+                    if p == 0:
+                        grp = valid
+                    else:
+                        grp = valid & (((okey ^ thr) >> (shift + 8)) == 0)
+                    digit = ((okey >> shift) & 0xFF).to(tl.int32)
+                    hist += tl.histogram(digit, 256, mask=grp)
+                ge = tl.cumsum(hist, 0, reverse=True)  # ge[d] = #group entries with digit >= d
+                dsel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
+                above = tl.sum(tl.where(bins == dsel, ge - hist, 0), 0)  # entries with a larger digit
+                k_rem = k_rem - above
+                thr = thr | (dsel.to(tl.uint32) << shift)
+
+        best = tl.full([], float("-inf"), tl.float32)
+        best_idx = tl.full([], 0, tl.int64)
+        ties_before = tl.full([], 0, tl.int32)
+        for i in range(N_BLOCKS):
+            idx = i * BLOCK_V + tl.arange(0, BLOCK_V)
+            valid = idx < V
+            x = tl.math.div_rn(tl.load(base + idx, mask=valid, other=0.0).to(tl.float32), temp)
+            bits = x.to(tl.uint32, bitcast=True)
+            okey = bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+            eq = valid & (okey == thr)
+            eq_i = eq.to(tl.int32)
+            tie_rank = ties_before + tl.cumsum(eq_i, 0) - eq_i
+            ties_before += tl.sum(eq_i, 0)
+            keep = (~topk_on) | (okey > thr) | (eq & (tie_rank < k_rem))
+            # Uniform noise in (0, 1) from 24 hash bits, exact in float32; then Gumbel(0, 1).
+            h = _hash32(key ^ _hash32(idx.to(tl.uint32) + 0x27D4EB2F))
+            h = _hash32(h ^ 0x165667B1)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            if LIBDEVICE_LOG:
+                g = -libdevice.log(-libdevice.log(u))
+            else:
+                g = -tl.log(-tl.log(u))
+            val = tl.where(greedy, x, tl.where(keep, x + g, float("-inf")))
+            val = tl.where(valid, val, float("-inf"))
+            bmax = tl.max(val, 0)
+            barg = tl.argmax(val, 0).to(tl.int64) + i * BLOCK_V
+            # Strictly greater: on equal values the first index wins, like torch.argmax.
+            best_idx = tl.where(bmax > best, barg, best_idx)
+            best = tl.maximum(best, bmax)
+        tl.store(out_ptr + row, best_idx)
+
+    return _sample_kernel
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
+    """logits [B, V]; temperature [B] (<= 0: greedy); top_k [B] (<= 0: off); seeds, steps [B] -> tokens [B] long.
+
+    = ``realtime.engines.sampling.sample(logits, temperature, top_k, ones, seeds, steps)``.
+    No host sync: per-row scalars are cast on the device.
+    """
+    if not use_triton("sample", logits, temperature, top_k, seeds, steps):
+        return sample_ref(logits, temperature, top_k, seeds, steps)
+    check(logits.dim() == 2 and logits.is_floating_point(), f"logits must be float [B, V], got {logits.dtype} {tuple(logits.shape)}")
+    b, v = logits.shape
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("seeds", seeds), ("steps", steps)):
+        check(t.shape == (b,), f"{name} must be [B={b}], got {tuple(t.shape)}")
+    check(logits.stride(-1) == 1, "logits must have a unit stride over V")
+    check(0 < v < 2**31 - _BLOCK_V, f"V must be in [1, 2**31), got {v}")
+    kernel = _kernels()
+    out = torch.empty(b, device=logits.device, dtype=torch.long)
+    if b == 0:
+        return out
+    temp = temperature.to(dtype=torch.float32).contiguous()
+    k = top_k.to(dtype=torch.long).contiguous()
+    sd = seeds.to(dtype=torch.long).contiguous()
+    st = steps.to(dtype=torch.long).contiguous()
+    kernel[(b,)](
+        logits, temp, k, sd, st, out, v, logits.stride(0),
+        N_BLOCKS=triton.cdiv(v, _BLOCK_V), BLOCK_V=_BLOCK_V, LIBDEVICE_LOG=logits.is_cuda, num_warps=8,
+    )
+    return out

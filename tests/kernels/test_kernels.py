@@ -1,0 +1,365 @@
+"""Triton kernels vs their PyTorch references (and the engine code they replace).
+
+On a machine without CUDA the kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1 is
+set here, before anything builds a kernel). The interpreter has two known bf16 gaps that the CPU
+tolerances absorb: float32 -> bf16 casts truncate instead of rounding to nearest even (so bf16
+results may be 1 ulp low), and tl.dot on bf16 multiplies raw bits (so decode attention dots in
+float32 there). The @gpu tests run the same comparisons compiled on CUDA with bit-exactness where
+the kernel promises it, plus CUDA-graph capture and a timing print.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first kernel build (kernels import triton lazily)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+
+from realtime.engines.sampling import sample as engine_sample  # noqa: E402
+from realtime.engines.sampling import uniform_noise  # noqa: E402
+from realtime.engines.transformer import KVCache, TransformerConfig  # noqa: E402
+from realtime.kernels import _triton  # noqa: E402
+from realtime.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
+from realtime.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
+from realtime.kernels.sampling import sample, sample_ref  # noqa: E402
+
+# (rtol, atol) per dtype. bf16 has an 8-bit mantissa: 1 ulp is 2**-7 relative; the CPU
+# interpreter's truncating casts can add up to ~2 more ulps through a chain of roundings.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def cpu_kernels():
+    """The CPU tests must exercise the Triton path, never the silent reference fallback."""
+    assert _triton.triton_available(), "triton is a dev dependency: pip install -e '.[dev]'"
+    if not _triton.interpret_mode():
+        pytest.skip("CUDA present and TRITON_INTERPRET unset: the @gpu tests cover the kernels here")
+
+
+def _close(a, b, dtype):
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------------------- rmsnorm
+
+RMS_SHAPES = [(1, 64), (3, 5, 300), (2, 2048), (4, 1, 96)]
+
+
+def _rms_inputs(shape, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(device, dtype)
+    r = torch.randn(shape, generator=g).to(device, dtype)
+    w = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(device, dtype)
+    return x, r, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+def test_rmsnorm(cpu_kernels, shape, dtype):
+    x, r, w = _rms_inputs(shape, dtype)
+    y = rmsnorm(x, w, 1e-5)
+    assert y.shape == x.shape and y.dtype == dtype
+    _close(y, rmsnorm_ref(x, w, 1e-5), dtype)
+    y, s = add_rmsnorm(x, r, w, 1e-6)
+    y_ref, s_ref = add_rmsnorm_ref(x, r, w, 1e-6)
+    assert s.dtype == dtype and y.dtype == dtype
+    _close(s, s_ref, dtype)
+    _close(y, y_ref, dtype)
+
+
+def test_rmsnorm_matches_engine_module_and_promotes(cpu_kernels):
+    from realtime.engines.transformer import RMSNorm
+
+    m = RMSNorm(300, 1e-5)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(300))
+    x = torch.randn(2, 3, 300)
+    torch.testing.assert_close(rmsnorm(x, m.weight.detach(), 1e-5), m(x), rtol=1e-5, atol=1e-5)
+    # fp32 weight on bf16 activations: PyTorch promotes the product to fp32, so does the kernel.
+    xb = x.bfloat16()
+    y = rmsnorm(xb, m.weight.detach(), 1e-5)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, rmsnorm_ref(xb, m.weight.detach(), 1e-5), rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------ rotary
+
+ROT_SHAPES = [  # B, H, Hkv, T, D
+    (2, 6, 2, 3, 24),  # D/2 = 12: not a power of 2
+    (1, 5, 1, 1, 64),  # decode, MQA, odd H
+    (3, 4, 4, 7, 16),
+]
+
+
+def _rot_inputs(b, h, hkv, t, d, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # q as the engine makes it: view(B, T, H, D).transpose(1, 2), a strided [B, H, T, D].
+    q = torch.randn(b, t, h, d, generator=g).to(device, dtype).transpose(1, 2)
+    k = torch.randn(b, t, hkv, d, generator=g).to(device, dtype).transpose(1, 2)
+    pos = torch.randint(0, 4000, (b, t), generator=g).to(device)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
+    freqs = pos.float()[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D], the engine's layout
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROT_SHAPES)
+def test_rotary(cpu_kernels, shape, dtype):
+    q, k, cos, sin = _rot_inputs(*shape, dtype)
+    qo, ko = apply_rotary(q, k, cos, sin)
+    q_ref, k_ref = apply_rotary_ref(q, k, cos, sin)
+    assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == dtype
+    _close(qo, q_ref, dtype)
+    _close(ko, k_ref, dtype)
+    # [B, T, D] cos/sin give the same result as the engine's [B, 1, T, D].
+    qo2, ko2 = apply_rotary(q, k, cos[:, 0], sin[:, 0])
+    assert torch.equal(qo, qo2) and torch.equal(ko, ko2)
+
+
+def test_rotary_ref_is_hf_rotate_half():
+    q, k, cos, sin = _rot_inputs(2, 4, 2, 3, 8, torch.float32)
+    x1, x2 = q[..., :4], q[..., 4:]
+    want = torch.cat((x1 * cos[..., :4] - x2 * sin[..., :4], x2 * cos[..., 4:] + x1 * sin[..., 4:]), dim=-1)
+    torch.testing.assert_close(apply_rotary_ref(q, k, cos, sin)[0], want)
+
+
+# ---------------------------------------------------------------------------------------- decode attention
+
+ATT_CASES = [  # B, H, Hkv, S, Tmax, D, lengths, num_splits
+    (3, 6, 2, 4, 150, 40, [1, 150, 77], None),
+    (3, 6, 2, 4, 150, 40, [1, 150, 77], 1),
+    (2, 4, 4, 2, 64, 64, [64, 33], 3),
+    (1, 8, 1, 3, 200, 16, [130], None),
+]
+
+
+def _att_inputs(b, h, hkv, s, tmax, d, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, d, generator=g).to(device, dtype)
+    kc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
+    vc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
+    slots = torch.randperm(s, generator=g)[:b].to(device)
+    return q, kc, vc, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ATT_CASES)
+def test_decode_attention(cpu_kernels, case, dtype):
+    b, h, hkv, s, tmax, d, lengths, ns = case
+    q, kc, vc, slots = _att_inputs(b, h, hkv, s, tmax, d, dtype)
+    lengths = torch.tensor(lengths)
+    out = decode_attention(q, kc, vc, slots, lengths, 0.3, num_splits=ns)
+    assert out.shape == (b, h, d) and out.dtype == dtype
+    # Against the float32 reference on the same (bf16-rounded) inputs.
+    want = decode_attention_ref(q.float(), kc.float(), vc.float(), slots, lengths, 0.3)
+    _close(out, want, dtype)
+
+
+def test_decode_attention_on_engine_cache_layout(cpu_kernels):
+    """A per-layer view of the engine's KVCache feeds the kernel as is; = the engine's masked SDPA."""
+    cfg = TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=128, max_seq_len=96)
+    cache = KVCache(cfg, n_slots=3)
+    torch.manual_seed(1)
+    cache.k.normal_()
+    cache.v.normal_()
+    pos = torch.tensor([5, 95])  # the decode query's absolute position; keys <= pos are visible
+    slots = torch.tensor([2, 0])
+    q = torch.randn(2, 4, 16)
+    out = decode_attention(q, cache.k[1], cache.v[1], slots, pos + 1)  # default scale 1/sqrt(D)
+    k = cache.k[1, slots]
+    v = cache.v[1, slots]
+    mask = (cache.key_pos[None, None, :] <= pos[:, None, None])[:, None]  # engine: [B, 1, T, S]
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- sampling
+
+
+def _sampling_rows(b, v, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(b, v, generator=g)).to(device)
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3, -1.0, 0.5, 2.0, 1.0] * (b // 8 + 1))[:b].to(device)
+    top_k = torch.tensor([0, 0, 50, 1, 5, 7, v - 1, v, v + 3, 2, 0, 20] * (b // 12 + 1))[:b].to(device)
+    seeds = (torch.randint(-(2**62), 2**62, (b,), generator=g)).to(device)
+    steps = torch.randint(0, 2**40, (b,), generator=g).to(device)
+    return logits, temp, top_k, seeds, steps
+
+
+@pytest.mark.parametrize("v", [1000, 3001])  # 3001: several blocks, last one partial
+def test_sample_equals_engine(cpu_kernels, v):
+    logits, temp, top_k, seeds, steps = _sampling_rows(24, v)
+    got = sample(logits, temp, top_k, seeds, steps)
+    ones = torch.ones(24)
+    want = engine_sample(logits, temp, top_k, ones, seeds, steps)
+    assert got.dtype == torch.long
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(want, sample_ref(logits, temp, top_k, seeds, steps))
+
+
+def test_sample_noise_is_the_engine_hash(cpu_kernels):
+    """Flat logits, no top-k: the token is the argmax of the noise, so this checks every hash bit path."""
+    b, v = 16, 2500
+    seeds = torch.arange(b) * 0x1234567890AB - 7
+    steps = torch.arange(b) * 977 + (1 << 33)
+    got = sample(torch.zeros(b, v), torch.ones(b), torch.zeros(b, dtype=torch.long), seeds, steps)
+    assert torch.equal(got, uniform_noise(seeds, steps, v).argmax(-1))
+
+
+def test_sample_topk_ties_keep_lowest_indices(cpu_kernels):
+    """Ties at the k-th value: the kernel keeps the first ones in vocab order (a stable sort)."""
+    v = 300
+    logits = torch.zeros(4, v)
+    logits[:, ::3] = 1.0  # 100 entries tie at the top
+    k = torch.tensor([1, 10, 99, 150])
+    seeds, steps = torch.arange(4), torch.zeros(4, dtype=torch.long)
+    got = sample(logits, torch.ones(4), k, seeds, steps)
+    order = logits.sort(dim=-1, descending=True, stable=True).indices
+    keep = torch.zeros(4, v, dtype=torch.bool).scatter(1, order, torch.arange(v)[None] < k[:, None])
+    noisy = (logits - torch.log(-torch.log(uniform_noise(seeds, steps, v)))).masked_fill(~keep, float("-inf"))
+    assert torch.equal(got, noisy.argmax(-1))
+
+
+def test_sample_bf16_logits(cpu_kernels):
+    logits, temp, _, seeds, steps = _sampling_rows(8, 1500)
+    logits = logits.bfloat16()
+    top_k = torch.zeros(8, dtype=torch.long)  # bf16 ties at a top-k boundary would hit torch.sort's order
+    assert torch.equal(sample(logits, temp, top_k, seeds, steps), engine_sample(logits, temp, top_k, torch.ones(8), seeds, steps))
+
+
+# ---------------------------------------------------------------------------------------- launcher contract
+
+
+def test_fallback_warns_once(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_triton, "_warned", set())
+    x, _, w = _rms_inputs((2, 16), torch.float32)
+    with pytest.warns(RuntimeWarning, match="rmsnorm.*PyTorch reference"):
+        y = rmsnorm(x, w, 1e-5)
+    assert torch.equal(y, rmsnorm_ref(x, w, 1e-5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rmsnorm(x, w, 1e-5)  # warned once per kernel, not per call
+
+
+def test_launchers_check_inputs(cpu_kernels):
+    x, r, w = _rms_inputs((2, 16), torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        rmsnorm(x, w[:8], 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        rmsnorm(x.t(), torch.ones(2), 1e-5)
+    q, k, cos, sin = _rot_inputs(1, 2, 1, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        apply_rotary(q, k, cos.double(), sin.double())
+    q, kc, vc, slots = _att_inputs(2, 6, 4, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, kc, vc, slots, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="int64"):
+        q, kc, vc, slots = _att_inputs(2, 4, 2, 2, 16, 16, torch.float32)
+        decode_attention(q, kc, vc, slots.int(), torch.tensor([3, 4]))
+    logits, temp, top_k, seeds, steps = _sampling_rows(4, 100)
+    with pytest.raises(ValueError, match="top_k"):
+        sample(logits, temp, top_k[:3], seeds, steps)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+def _graph(fn):
+    """Capture fn() in a CUDA graph (after a warm-up that compiles), replay, return (eager, replayed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, out
+
+
+def _time_us(fn, n=50):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_rmsnorm(dtype):
+    for shape in RMS_SHAPES + [(8, 2048), (5, 4096)]:
+        x, r, w = _rms_inputs(shape, dtype, "cuda")
+        _close(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5), dtype)
+        y, s = add_rmsnorm(x, r, w, 1e-5)
+        y_ref, s_ref = add_rmsnorm_ref(x, r, w, 1e-5)
+        assert torch.equal(s, s_ref)  # same rounding of the sum on the GPU
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    eager, replay = _graph(lambda: add_rmsnorm(x, r, w, 1e-5)[0])
+    assert torch.equal(eager, replay)
+    print(f"\nrmsnorm {dtype} [8, 2048]: kernel {_time_us(lambda: rmsnorm(x, w, 1e-5)):.1f} us, ref {_time_us(lambda: rmsnorm_ref(x, w, 1e-5)):.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_rotary(dtype):
+    for shape in ROT_SHAPES + [(8, 32, 8, 1, 64), (2, 32, 8, 37, 64)]:
+        q, k, cos, sin = _rot_inputs(*shape, dtype, "cuda")
+        qo, ko = apply_rotary(q, k, cos, sin)
+        q_ref, k_ref = apply_rotary_ref(q, k, cos, sin)
+        if dtype == torch.bfloat16:  # per-product rounding as the engine's bf16 expression: bit-exact
+            assert torch.equal(qo, q_ref) and torch.equal(ko, k_ref)
+        else:  # fp32: FMA contraction may differ by an ulp
+            _close(qo, q_ref, dtype)
+            _close(ko, k_ref, dtype)
+    eager, replay = _graph(lambda: apply_rotary(q, k, cos, sin)[0])
+    assert torch.equal(eager, replay)
+    print(f"\nrotary {dtype} {shape}: kernel {_time_us(lambda: apply_rotary(q, k, cos, sin)):.1f} us, ref {_time_us(lambda: apply_rotary_ref(q, k, cos, sin)):.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_decode_attention(dtype):
+    cases = ATT_CASES + [(8, 32, 8, 16, 2048, 64, [1, 5, 64, 65, 700, 2047, 2048, 1500], None)]
+    for b, h, hkv, s, tmax, d, lengths, ns in cases:
+        q, kc, vc, slots = _att_inputs(b, h, hkv, s, tmax, d, dtype, "cuda")
+        lengths = torch.tensor(lengths, device="cuda")
+        out = decode_attention(q, kc, vc, slots, lengths, 0.125, num_splits=ns)
+        want = decode_attention_ref(q.float(), kc.float(), vc.float(), slots, lengths, 0.125)
+        _close(out, want, dtype)
+    eager, replay = _graph(lambda: decode_attention(q, kc, vc, slots, lengths, 0.125))
+    assert torch.equal(eager, replay)
+    print(f"\ndecode_attention {dtype} B=8 H=32 Hkv=8 Tmax=2048: kernel "
+          f"{_time_us(lambda: decode_attention(q, kc, vc, slots, lengths, 0.125)):.1f} us, "
+          f"ref {_time_us(lambda: decode_attention_ref(q, kc, vc, slots, lengths, 0.125)):.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [2051, 128256])
+def test_gpu_sample_equals_engine(v):
+    logits, temp, top_k, seeds, steps = _sampling_rows(24, v, "cuda")
+    got = sample(logits, temp, top_k, seeds, steps)
+    want = engine_sample(logits, temp, top_k, torch.ones(24, device="cuda"), seeds, steps)
+    assert torch.equal(got, want), (got, want)
+    flat = sample(torch.zeros_like(logits), torch.ones_like(temp), torch.zeros_like(top_k), seeds, steps)
+    assert torch.equal(flat, uniform_noise(seeds, steps, v).argmax(-1))
+    eager, replay = _graph(lambda: sample(logits, temp, top_k, seeds, steps))
+    assert torch.equal(eager, replay)
+    print(f"\nsample B=24 V={v}: kernel {_time_us(lambda: sample(logits, temp, top_k, seeds, steps)):.1f} us, "
+          f"ref {_time_us(lambda: sample_ref(logits, temp, top_k, seeds, steps)):.1f} us")
