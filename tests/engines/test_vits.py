@@ -285,3 +285,64 @@ def test_missing_conv_weight(onnx_model, tmp_path) -> None:
     path, cfg = _save_variant(onnx_model, tmp_path, drop)
     with pytest.raises(ModelFormatError):
         PiperVoice.load(path, cfg)
+
+
+# -- CUDA (run on the device with -m gpu) ---------------------------------------------------------
+# The device has no piper-tts (no espeak): these use the ids of "How are you today?", which
+# test_phoneme_ids_constant below pins against the phonemizer on CPU.
+
+HOW_ARE_YOU_IDS = [1, 0, 20, 0, 121, 0, 14, 0, 100, 0, 3, 0, 51, 0, 122, 0, 88, 0, 3, 0, 22, 0, 33, 0, 122,
+                   0, 3, 0, 32, 0, 59, 0, 17, 0, 120, 0, 18, 0, 74, 0, 13, 0, 2]
+
+
+def test_phoneme_ids_constant(voice: PiperVoice) -> None:
+    assert voice.phoneme_ids(voice.phonemize("How are you today?")[0]) == HOW_ARE_YOU_IDS
+
+
+@pytest.fixture(scope="module")
+def gpu_latent(voice: PiperVoice) -> torch.Tensor:
+    return voice.generate(torch.tensor([HOW_ARE_YOU_IDS]), noise_scale=0.0, noise_w=0.0)
+
+
+@pytest.fixture()
+def no_tf32():
+    # TF32 convs/matmuls (PyTorch's cuDNN default) move the GPU output by ~1e-3 relative, and
+    # the duration rounding/flow amplify that to ~2e-2 over the whole pipeline: compare in true
+    # fp32. (With TF32 on, chunked vs whole still agree to ~1e-3 abs on the device.)
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu(voice: PiperVoice, gpu_latent: torch.Tensor, no_tf32) -> None:
+    gpu = PiperVoice.load(device="cuda")
+    ids = torch.tensor([HOW_ARE_YOU_IDS])
+    z_gpu = gpu.generate(ids, noise_scale=0.0, noise_w=0.0)
+    assert z_gpu.device.type == "cuda" and z_gpu.shape == gpu_latent.shape
+    ref = voice.vocode(gpu_latent)[0].numpy()
+    pcm = gpu.vocode(z_gpu)[0].cpu().numpy()
+    assert _rel_l2(pcm, ref) <= 1e-3
+    # Exact chunking holds on the GPU as well, batched windows included.
+    zg = gpu_latent.cuda()
+    whole = gpu.vocode(zg)[0]
+    for n in (1, 7, 16):
+        chunked = torch.cat(gpu.vocode_windows(zg, _windows(zg.shape[2], n)))
+        assert (chunked - whole).abs().max().item() <= 1e-4, n
+    # Seeded sampling on the device is reproducible.
+    a = gpu.generate(ids, generator=torch.Generator("cuda").manual_seed(5))
+    b = gpu.generate(ids, generator=torch.Generator("cuda").manual_seed(5))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16(voice: PiperVoice, gpu_latent: torch.Tensor) -> None:
+    gpu = PiperVoice.load(device="cuda", dtype=torch.bfloat16)
+    z = gpu.generate(torch.tensor([HOW_ARE_YOU_IDS]), generator=torch.Generator("cuda").manual_seed(0))
+    assert z.dtype == torch.bfloat16 and z.shape[1] == 192
+    pcm = gpu.vocode(z)
+    assert pcm.dtype == torch.float32 and torch.isfinite(pcm).all()
+    ref = voice.vocode(gpu_latent)[0]
+    got = gpu.vocode(gpu_latent.cuda())[0].cpu()
+    assert torch.corrcoef(torch.stack([got, ref]))[0, 1] > 0.95
