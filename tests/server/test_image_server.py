@@ -271,3 +271,19 @@ def test_scheduler_prefers_speech_due_within_a_second() -> None:
     assert pick([image_lane, speech_lane], now).lane is speech_lane
     speech.deadline = lambda t: t + 1.5  # buffered far ahead: the image step fills the gap
     assert pick([image_lane, speech_lane], now).lane is image_lane
+
+
+def test_cli_remote_and_local(live, ckpt, tmp_path, capsys) -> None:  # noqa: ANN001
+    from realtime.cli import main
+
+    want = offline_png_pixels(ckpt, 3, 11, 6, 4.0)
+    remote, local = tmp_path / "remote.png", tmp_path / "local.png"
+    common = ["--class-label", "3", "--steps", "6", "--seed", "11", "--guidance", "4"]
+    assert main(["image", *common, "-o", str(remote), "--url", f"{live.ws}/v1/image"]) == 0
+    assert main(["image", *common, "-o", str(local), "--local", "--model", str(ckpt)]) == 0
+    for path in (remote, local):
+        got = pixels(path.read_bytes(), "PNG")
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    assert "wrote" in capsys.readouterr().out
+    assert main(["image", "--class-label", "3", "-o", str(remote), "--local"]) == 2  # no --model
+    assert main(["image", "--class-label", "3000", "-o", str(remote), "--url", f"{live.ws}/v1/image"]) == 1
