@@ -479,7 +479,7 @@ class TextService(Service):
 
             raise ConfigError("the text model has no tokenizer")
         n = self.n_slots or (64 if cuda else 16)
-        seq = min(self.max_seq_len or (8192 if cuda else 2048), self.model.max_seq_len)
+        seq = min(self.max_seq_len or (4096 if cuda else 2048), self.model.max_seq_len)
         graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
         self.engine = BatchDecoder(self.model, n, seq, cuda_graphs=graphs)
         log.info("text model %s: %d slots x %d tokens on %s in %.1fs", self.model.name, n, seq,

@@ -117,6 +117,19 @@ def test_batched_decode_equals_solo_and_shares_steps(live) -> None:  # noqa: ANN
     assert all(d["tokens_per_s"] and d["ttft_ms"] for _, d, _ in both)
 
 
+def test_more_requests_than_slots_wait_for_a_slot(live) -> None:  # noqa: ANN001
+    url = f"{live.ws}/v1/text"
+    n = live.svc.engine.n_slots + 3
+
+    async def many():  # noqa: ANN202
+        return await asyncio.gather(*[_ws_request(url, {"messages": FRANCE, "temperature": 0, "max_tokens": 4})
+                                      for _ in range(n)])
+
+    out = _run(many())
+    assert [t for t, _, _ in out] == ["The capital of France"] * n
+    assert live.state.scheduler.active == 0 and live.svc.prefill_lane.pool.available() == live.svc.engine.n_slots
+
+
 def test_seeded_sampling_is_reproducible(live) -> None:  # noqa: ANN001
     url = f"{live.ws}/v1/text"
     start = {"messages": PROMPTS[2], "temperature": 1.0, "top_p": 0.95, "seed": 1234, "max_tokens": 20}
@@ -247,3 +260,37 @@ def test_chat_cli_against_the_live_server(live) -> None:  # noqa: ANN001
     r = subprocess.run([sys.executable, "-m", "realtime.cli", "chat", "-p", "hi", "--url", "ws://127.0.0.1:9/v1/text"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_graph_step_equals_eager() -> None:
+    """The CUDA-graphed step (padded to a bucket, static slot buffer) gives the eager step's tokens,
+    with streams joining and leaving between steps, greedy and sampled."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from realtime.engines.llama import TextModel
+    from realtime.text_service import BatchDecoder
+
+    model = TextModel.from_pretrained(None, device="cuda", dtype=torch.float32)
+    tok = model.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(p)) for p in PROMPTS]
+    runs = []
+    for graphs in (False, True):
+        dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
+        assert dec.cuda_graphs is graphs
+        out: dict[int, list[int]] = {s: [] for s in range(4)}
+        for s, ids in enumerate(prompts):
+            temp = 0.0 if s % 2 == 0 else 0.9
+            out[s].append(dec.start(s, ids, temp, 0 if s < 2 else 40, 0.95, seed=100 + s))
+        for step in range(24):
+            # the batch changes shape: 4, 3 (slot 1 gone), then 2, then all four again
+            active = [0, 1, 2, 3] if step < 6 or step >= 18 else [0, 2, 3] if step < 12 else [2, 3]
+            greedy = all(s % 2 == 0 for s in active)
+            for s, t in zip(active, dec.step(active, greedy=greedy)):
+                out[s].append(t)
+        runs.append(out)
+        if graphs:
+            assert {k[0] for k in dec._graphs} >= {2, 4}  # buckets were captured and replayed
+    assert runs[0] == runs[1]

@@ -1,0 +1,240 @@
+"""Text decode benchmark: our batched decode step vs HF transformers, and the bandwidth floor.
+
+    python bench/text.py                          # Llama-3.2-1B shapes, bf16, CUDA (H200)
+    python bench/text.py --small                  # tiny shapes, float32, CPU (< 2 min)
+    python bench/text.py --batches 1 8 --steps 64 --no-hf
+
+Random weights (seeded), built with transformers' LlamaForCausalLM and written with
+``save_pretrained``; our TextModel loads that folder, so both run the same weights. Every stream
+prefills a prompt of --prompt tokens, then decode steps are timed (all streams in one batched
+step, the way the scheduler's text.decode lane runs them). Both implementations attend over the
+whole cache length (--context) every step, so it is kept short by default. Ours runs eager and
+(on CUDA) with the CUDA-graphed step; HF runs its eager model over a StaticCache, same batch.
+
+Bandwidth floor: at batch 1 a step must read every weight once (the LM head included; the
+embedding only one row), so tokens/s <= copy bandwidth / weight bytes. Copy bandwidth is measured
+here with a large device-to-device copy (read + write bytes / time). Prints a table and writes
+bench/results/text.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LLAMA_3_2_1B = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)
+SMALL = dict(
+    hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=32, vocab_size=8192, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    """Bytes/s of a large device copy, counting the read and the write."""
+    n = mib << 20
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    reps = 10 if device.type == "cuda" else 3
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * n * reps / (time.perf_counter() - t0)
+
+
+def build_checkpoint(shapes: dict, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**shapes, torch_dtype=dtype)
+    with torch.device(device):
+        m = LlamaForCausalLM(cfg)
+    m.to(dtype).save_pretrained(folder)
+    del m
+
+
+def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, temperature: float,  # noqa: ANN001
+                      context: int) -> tuple[float, list[int]]:
+    from realtime.text_service import BatchDecoder
+
+    dev = model.device
+    dec = BatchDecoder(model, batch, context, cuda_graphs=graphs)
+    g = torch.Generator().manual_seed(1)
+    for s in range(batch):
+        ids = torch.randint(0, model.vocab_size, (prompt,), generator=g).tolist()
+        dec.start(s, ids, temperature, 0, 1.0, seed=s)
+    slots = list(range(batch))
+    greedy = temperature <= 0
+    for _ in range(3):  # warm-up (and graph capture)
+        dec.step(slots, greedy)
+    sync(dev)
+    t0 = time.perf_counter()
+    first = []
+    for _ in range(steps):
+        out = dec.step(slots, greedy)  # each step reads its tokens back, as the server does
+        first.append(out[0])
+    dt = time.perf_counter() - t0
+    del dec
+    return batch * steps / dt, first
+
+
+@torch.inference_mode()
+def hf_tokens_per_s(hf, batch: int, prompt: int, steps: int, context: int) -> tuple[float, list[int]]:  # noqa: ANN001
+    from transformers import StaticCache
+
+    dev = hf.device
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randint(0, hf.config.vocab_size, (prompt,), generator=g) for _ in range(batch)]).to(dev)
+    cache = StaticCache(config=hf.config, max_cache_len=context)
+    pos = torch.arange(prompt, device=dev)
+    logits = hf(ids, past_key_values=cache, cache_position=pos, use_cache=True).logits[:, -1]
+    tok = logits.argmax(-1)
+    p = prompt
+    for _ in range(3):
+        logits = hf(tok[:, None], past_key_values=cache, cache_position=torch.tensor([p], device=dev), use_cache=True).logits[:, -1]
+        tok = logits.argmax(-1)
+        p += 1
+    tok.tolist()
+    sync(dev)
+    t0 = time.perf_counter()
+    first = []
+    for _ in range(steps):
+        logits = hf(tok[:, None], past_key_values=cache, cache_position=torch.tensor([p], device=dev), use_cache=True).logits[:, -1]
+        tok = logits.argmax(-1)
+        first.append(tok.tolist()[0])  # the same one read per step as ours
+        p += 1
+    dt = time.perf_counter() - t0
+    del cache
+    return batch * steps / dt, first
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes in float32 on the CPU (smoke run)")
+    ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --small)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per stream")
+    ap.add_argument("--context", type=int, default=None,
+                    help="KV cache length per stream (both attend over all of it each step); default prompt+steps+8")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0 times the full sampler")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="eager only")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "text.json"))
+    args = ap.parse_args()
+
+    small = args.small
+    device = torch.device(args.device or ("cpu" if small or not torch.cuda.is_available() else "cuda"))
+    dtype = getattr(torch, args.dtype or ("float32" if small or device.type == "cpu" else "bfloat16"))
+    batches = args.batches or ([1, 4, 8] if small else [1, 8, 32, 128])
+    steps = args.steps or (16 if small else 128)
+    shapes = SMALL if small else LLAMA_3_2_1B
+    context = args.context or args.prompt + steps + 8
+    if context < args.prompt + steps + 4:
+        ap.error("--context must hold the prompt and the steps")
+    if small:
+        torch.set_num_threads(min(torch.get_num_threads(), 2))
+    graph_modes = [False] + ([True] if device.type == "cuda" and not args.no_graphs else [])
+    log(f"{'small' if small else 'Llama-3.2-1B'} shapes, {dtype}, {device}, batches {batches}, {steps} steps, "
+        f"context {context}")
+
+    from transformers import LlamaForCausalLM
+
+    from realtime.engines.llama import TextModel
+
+    results: dict = {"shapes": "small" if small else "llama-3.2-1b", "device": str(device), "dtype": str(dtype),
+                     "prompt_tokens": args.prompt, "steps": steps, "context": context, "temperature": args.temperature,
+                     "torch": torch.__version__, "python": platform.python_version(), "rows": []}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
+    bw = copy_bandwidth(device, 64 if small else 2048)
+    results["copy_bandwidth_GBps"] = bw / 1e9
+    log(f"copy bandwidth {bw / 1e9:.1f} GB/s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama"
+        t0 = time.perf_counter()
+        build_checkpoint(shapes, folder, dtype, device)
+        ours = TextModel.from_pretrained(folder, device=device, dtype=dtype)
+        log(f"built and loaded random-weight checkpoint in {time.perf_counter() - t0:.1f}s")
+        elt = torch.tensor([], dtype=dtype).element_size()
+        n_transformer = sum(p.numel() for p in ours.transformer.parameters())
+        head = ours.vocab_size * ours.config.dim
+        weight_bytes = (n_transformer + head) * elt
+        results["weight_bytes_per_step"] = weight_bytes
+        results["floor_tokens_per_s_batch1"] = bw / weight_bytes
+        log(f"weights read per step {weight_bytes / 1e9:.3f} GB → floor {bw / weight_bytes:.0f} tok/s at batch 1")
+
+        for b in batches:
+            for graphs in graph_modes:
+                tps, toks = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context)
+                results["rows"].append({"impl": "ours-graph" if graphs else "ours-eager", "batch": b,
+                                        "tokens_per_s": tps, "ms_per_step": 1000 * b / tps, "first_row": toks[:16]})
+                log(f"ours {'graph' if graphs else 'eager'} batch {b}: {tps:.0f} tok/s")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        del ours
+        if not args.no_hf:
+            hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+            for b in batches:
+                tps, toks = hf_tokens_per_s(hf, b, args.prompt, steps, context)
+                results["rows"].append({"impl": "hf-static", "batch": b, "tokens_per_s": tps,
+                                        "ms_per_step": 1000 * b / tps, "first_row": toks[:16]})
+                log(f"hf static-cache batch {b}: {tps:.0f} tok/s")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del hf
+
+    # Greedy agreement of the first timed tokens (same weights, same random prompt): a sanity check,
+    # not a parity test (bf16 near-ties may flip a token and the rest of the row with it).
+    if args.temperature <= 0 and not args.no_hf:
+        for row in results["rows"]:
+            ref = next((r for r in results["rows"] if r["impl"] == "hf-static" and r["batch"] == row["batch"]), None)
+            if ref is not None:
+                row["agrees_with_hf"] = sum(a == c for a, c in zip(row["first_row"], ref["first_row"])) / 16
+
+    floor = results["floor_tokens_per_s_batch1"]
+    print()
+    print(f"{'impl':<12} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor(b1)':>11} {'agree':>6}")
+    for r in results["rows"]:
+        ag = r.get("agrees_with_hf")
+        print(f"{r['impl']:<12} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['ms_per_step']:>9.2f} "
+              f"{r['tokens_per_s'] / floor:>11.2f} {'' if ag is None else f'{ag:.2f}':>6}")
+    print(f"bandwidth floor at batch 1: {floor:.0f} tok/s ({results['weight_bytes_per_step'] / 1e9:.3f} GB/step at "
+          f"{results['copy_bandwidth_GBps']:.0f} GB/s)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
