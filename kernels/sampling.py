@@ -89,7 +89,7 @@ def _kernels():
         if topk_on:
             bins = tl.arange(0, 256)
             for p in tl.static_range(4):
-                shift: tl.constexpr = 24 - 8 * p
+                shift = 24 - 8 * p  # constexpr: p is a static_range index
                 hist = tl.zeros([256], tl.int32)
                 for i in range(N_BLOCKS):
                     idx = i * BLOCK_V + tl.arange(0, BLOCK_V)
