@@ -186,6 +186,20 @@ def test_decode_attention_on_engine_cache_layout(cpu_kernels):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_attention_never_reads_past_length(cpu_kernels):
+    """Stale NaN/inf beyond a row's length (or in other slots) cannot reach the output."""
+    q, kc, vc, slots = _att_inputs(2, 4, 2, 3, 130, 32, torch.float32)
+    lengths = torch.tensor([70, 1])
+    want = decode_attention_ref(q, kc, vc, slots, lengths, 0.2)
+    for b in range(2):
+        kc[slots[b], :, lengths[b]:] = float("nan")
+        vc[slots[b], :, lengths[b]:] = float("inf")
+    other = [i for i in range(3) if i not in slots.tolist()]
+    kc[other] = float("nan")
+    out = decode_attention(q, kc, vc, slots, lengths, 0.2, num_splits=2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------- sampling
 
 
