@@ -18,7 +18,7 @@ Python API (used by the voice agent)::
 
     job = service.submit([{"role": "user", "content": "Hi"}], GenParams(max_tokens=64))
     async for ev in job.stream():     # TextDelta(text, tokens) ..., then TextDone(...)
-        ...
+        ...                           # (or: done = await job.result())
     service.cancel(job)
 """
 
@@ -83,6 +83,10 @@ class BatchDecoder:
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
+        if self.cuda_graphs and n_slots > BUCKETS[-1]:
+            from realtime.errors import ConfigError
+
+            raise ConfigError(f"CUDA-graphed decode supports at most {BUCKETS[-1]} slots, got {n_slots}")
         self._idx_key: tuple[int, ...] | None = None
         self._idx: torch.Tensor | None = None
         self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
@@ -247,6 +251,7 @@ class TextJob(Job):
         self.t_last = self.t_submit
         self.finish_reason: str | None = None
         self._event: asyncio.Event | None = None
+        self.wake: Callable[[], None] | None = None  # set by TextService.submit: the scheduler's wake
 
     def deadline(self, now: float) -> float:
         if not self.prefilled:
@@ -281,8 +286,11 @@ class TextJob(Job):
 
     async def stream(self, wake: Callable[[], None] | None = None) -> AsyncIterator[TextDelta | TextDone]:
         """Yield TextDelta ..., then one TextDone (finish_reason "cancelled" when cancelled).
-        Raises the job's RealtimeError if it failed (an InternalError for engine bugs)."""
+        Raises the job's RealtimeError if it failed (an InternalError for engine bugs).
+        ``wake`` (default: the scheduler's, set at submit) is called when items were taken, so a
+        job held back by a full channel steps again."""
         self.bind()
+        wake = wake or self.wake
         assert self._event is not None
         while True:
             items = self.output.take()
@@ -570,6 +578,7 @@ class TextService(Service):
             job.bind()
         except RuntimeError:  # no running loop in this thread: the caller binds
             pass
+        job.wake = self.scheduler.wake
         self.scheduler.submit(job, [self.prefill_lane, self.decode_lane])
         return job
 
@@ -729,7 +738,8 @@ def _oa_error(exc: RealtimeError, status: int) -> Any:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     from starlette.responses import JSONResponse
 
-    kind = {400: "invalid_request_error", 401: "authentication_error", 503: "overloaded_error"}.get(status, "server_error")
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 503: "overloaded_error"}
+    kind = kinds.get(status, "server_error")
     return JSONResponse({"error": {"message": exc.message, "type": kind, "param": None, "code": exc.code}},
                         status_code=status)
 

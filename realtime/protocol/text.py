@@ -314,8 +314,8 @@ def chat_chunk(cid: str, model: str, created: int, content: str | None = None, *
         d["role"] = "assistant"
     if content is not None:
         d["content"] = content
-    choices = [] if empty_choices else [{"index": 0, "delta": d, "logprobs": None,
-                                          "finish_reason": None if finish_reason is None else openai_finish(finish_reason)}]
+    fr = None if finish_reason is None else openai_finish(finish_reason)
+    choices = [] if empty_choices else [{"index": 0, "delta": d, "logprobs": None, "finish_reason": fr}]
     out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": choices}
     if usage_ is not None:

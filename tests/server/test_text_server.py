@@ -229,7 +229,7 @@ def test_python_api_models_and_ttft_metric(live) -> None:  # noqa: ANN001
 
     async def use():  # noqa: ANN202
         job = svc.submit(FRANCE, GenParams(temperature=0, max_tokens=32))
-        events = [ev async for ev in job.stream(svc.wake)]
+        events = [ev async for ev in job.stream()]
         return events
 
     events = _run(use())
@@ -260,6 +260,30 @@ def test_chat_cli_against_the_live_server(live) -> None:  # noqa: ANN001
     r = subprocess.run([sys.executable, "-m", "realtime.cli", "chat", "-p", "hi", "--url", "ws://127.0.0.1:9/v1/text"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+def test_padding_rows_on_the_scratch_slot_change_nothing(live) -> None:  # noqa: ANN001
+    """What a graphed step does on any device: rows padded with the scratch slot leave the real rows'
+    tokens as an unpadded step gives them (checked eagerly here; the GPU test checks the graph)."""
+    import torch
+
+    from realtime.text_service import BatchDecoder
+
+    model, tok = live.svc.model, live.svc.tokenizer
+    runs = []
+    for pad in (0, 2):
+        dec = BatchDecoder(model, 2, 96)
+        out = [[dec.start(s, tok.encode(tok.apply_chat_template(PROMPTS[s])), 0.8, 0, 1.0, seed=s)] for s in range(2)]
+        idx = torch.tensor([0, 1] + [dec.scratch] * pad)
+        for _ in range(6):
+            with torch.inference_mode():
+                nxt = dec._eager(idx, greedy=False)
+                dec._reset_scratch()
+            for s in range(2):
+                out[s].append(int(nxt[s]))
+        assert int(dec.pos[dec.scratch]) == 0
+        runs.append(out)
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.gpu
