@@ -150,6 +150,8 @@ class DiTStepLane(Lane):
         t0 = time.perf_counter()
         live: list[tuple[ImageJob, ImageState]] = []
         for job in jobs:
+            if not job.active:  # cancelled since the pick: do not take a state it would never return
+                continue
             if job.dit is None:
                 p = job.params
                 st = svc.take_state()
