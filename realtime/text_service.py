@@ -143,9 +143,15 @@ class BatchDecoder:
             return self._graphed(slots, greedy)
         key = tuple(slots)
         if key != self._idx_key:  # the batch changed: one small host→device copy
-            self._idx = torch.tensor(key, dtype=torch.long, device=self.device)
+            self._idx = self._to_device(key)
             self._idx_key = key
         return self._eager(self._idx, greedy).tolist()  # the one host sync per step
+
+    def _to_device(self, values: Sequence[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":  # pinned + async: the copy does not wait for the device
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
     def _bucket(self, b: int) -> int:
         for size in BUCKETS:
@@ -161,7 +167,7 @@ class BatchDecoder:
             entry = self._capture(size, greedy)
         graph, idx_buf, out = entry
         padded = list(slots) + [self.scratch] * (size - b)
-        idx_buf.copy_(torch.tensor(padded, dtype=torch.long), non_blocking=False)
+        idx_buf.copy_(self._to_device(padded), non_blocking=True)
         graph.replay()
         return out[:b].tolist()
 
@@ -486,8 +492,10 @@ class TextService(Service):
             from realtime.errors import ConfigError
 
             raise ConfigError("the text model has no tokenizer")
-        n = self.n_slots or (64 if cuda else 16)
-        seq = min(self.max_seq_len or (4096 if cuda else 2048), self.model.max_seq_len)
+        # text_slots / text_context: ServerConfig fields proposed to the lead (absent: defaults)
+        n = self.n_slots or getattr(self.config, "text_slots", None) or (64 if cuda else 16)
+        seq = self.max_seq_len or getattr(self.config, "text_context", None) or (4096 if cuda else 2048)
+        seq = min(seq, self.model.max_seq_len)
         graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
         self.engine = BatchDecoder(self.model, n, seq, cuda_graphs=graphs)
         log.info("text model %s: %d slots x %d tokens on %s in %.1fs", self.model.name, n, seq,
