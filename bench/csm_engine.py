@@ -95,6 +95,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "csm_engine.json"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=["eager", "graphed", "graphed_kernels", "graphed_kernels_tsampler"],
+                    help="eager | graphed | graphed_kernels (Triton RMSNorm/rotary/decode attention) | "
+                         "graphed_kernels_tsampler (+ fused Triton sampler)")
     args = ap.parse_args()
     folder = Path(args.folder)
     build(folder)
@@ -136,9 +139,17 @@ def main() -> int:
         del hf
         torch.cuda.empty_cache()
 
+    import realtime.engines.csm as csm_mod
+    from realtime.engines.transformer import use_kernels
+    from realtime.kernels.sampling import sample as triton_sample
+
+    torch_sample = csm_mod.sample
     n_slots = max(args.batches)
-    for graphs in (False, True):
-        tag = "graphed" if graphs else "eager"
+    for tag in args.variants:
+        graphs = tag != "eager"
+        use_kernels("kernels" in tag)
+        csm_mod.sample = ((lambda lg, t, k, p, s, st: triton_sample(lg, t, k, s, st)) if "tsampler" in tag
+                          else torch_sample)
         log(f"ours ({tag}): loading + capture")
         t0 = time.perf_counter()
         b = CSMBackend(str(folder), "cuda", "cuda", torch.bfloat16, n_slots=n_slots, max_seq_len=1024,
@@ -148,54 +159,69 @@ def main() -> int:
         res[f"ours_{tag}_setup_s"] = time.perf_counter() - t0
         csm = b.csm
         if "weight_bytes_per_frame" not in res:
-            bb = sum(p.numel() * p.element_size() for n, p in csm.named_parameters() if n.startswith("backbone"))
-            dd = sum(p.numel() * p.element_size() for n, p in csm.named_parameters()
-                     if n.startswith("depth") or n.startswith("codebooks_head"))
+            def nbytes(m) -> int:  # noqa: ANN001
+                ps = [m] if isinstance(m, torch.nn.Parameter) else list(m.parameters())
+                return sum(p.numel() * p.element_size() for p in ps)
+
             k = csm.num_codebooks
-            # per frame: the backbone twice (codebook-0 step reads lm_head; feed-back step reads the stack)
-            # is one pass of its weights; the depth stack once per codebook 1..K-1
-            res["weight_bytes_per_frame"] = bb + dd * (k - 1)
+            # Weights read per frame at batch 1: the backbone stack once (one step: the frame's
+            # embedding in, the next hidden out), the codebook-0 head, the depth stack once per
+            # codebook 1..K-1, each depth head slice once, the projector K times. Embedding rows are
+            # gathered (a few KB), not read whole.
+            res["weight_bytes_per_frame"] = (nbytes(csm.backbone) + nbytes(csm.lm_head) + nbytes(csm.codebooks_head)
+                                             + (k - 1) * nbytes(csm.depth) + k * nbytes(csm.depth_projector))
             res["floor_frames_per_s"] = bw / 2 / res["weight_bytes_per_frame"]  # reads only: half the copy traffic
-        for bsz in args.batches if graphs else [1]:
-            slots = torch.arange(bsz)
-            for s in range(bsz):
-                csm.prefill(b.state, s, csm.build_prompt(text, 0))
-            temp, tk, sd = torch.full((bsz,), 0.9), torch.full((bsz,), 50, dtype=torch.long), torch.arange(bsz)
-
-            def frames(n: int = 16) -> None:
-                for _ in range(n):
-                    b.frame_step(slots, temp, tk, sd)
-
-            frames(4)
-            if bsz == 1:
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                    frames(2)
-                    torch.cuda.synchronize()
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
-                res[f"profile_{tag}_b1"] = table
-                print(table, flush=True)
-            ts = cuda_time(frames, 5)
-            fps = 16 / statistics.median(ts)
-            res[f"ours_{tag}_b{bsz}_frames_per_s_per_stream"] = fps
-            res[f"ours_{tag}_b{bsz}_aggregate_frames_per_s"] = fps * bsz
-            log(f"ours {tag} batch {bsz}: {fps:.1f} frames/s per stream, {fps * bsz:.0f} aggregate")
-            for s in range(bsz):
-                b.state.reset([s])
-            codes = torch.randint(0, 2048, (bsz, 32, 1))
-            dec = lambda: b.decode_slots(slots, codes)  # noqa: E731
-            for _ in range(3):
-                dec()
-            res[f"ours_{tag}_b{bsz}_mimi_decode_ms"] = statistics.median(cuda_time(dec, 10)) * 1000
-            log(f"ours {tag} Mimi decode batch {bsz}: {res[f'ours_{tag}_b{bsz}_mimi_decode_ms']:.2f} ms")
+        try:
+            _bench_variant(args, res, b, csm, tag, graphs, text)
+        except Exception as exc:  # one failing variant must not lose the others' numbers
+            res[f"ours_{tag}_error"] = repr(exc)[:400]
+            log(f"variant {tag} failed: {exc!r}")
         b = None  # free the caches before the next variant
         torch.cuda.empty_cache()
+    use_kernels(False)
+    csm_mod.sample = torch_sample
     res["gpu_mem_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
-    print(json.dumps(res, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}, indent=2))
     return 0
+
+
+def _bench_variant(args, res: dict, b, csm, tag: str, graphs: bool, text: str) -> None:  # noqa: ANN001
+    """frames/s and Mimi decode time of one variant at each batch size (eager: batch 1 only)."""
+    for bsz in args.batches if graphs else [1]:
+        slots = torch.arange(bsz)
+        for s in range(bsz):
+            csm.prefill(b.state, s, csm.build_prompt(text, 0))
+        temp, tk, sd = torch.full((bsz,), 0.9), torch.full((bsz,), 50, dtype=torch.long), torch.arange(bsz)
+
+        def frames(n: int = 16) -> None:
+            for _ in range(n):
+                b.frame_step(slots, temp, tk, sd)
+
+        frames(4)
+        if bsz == 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                frames(2)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
+            res[f"profile_{tag}_b1"] = table
+            print(table, flush=True)
+        ts = cuda_time(frames, 5)
+        fps = 16 / statistics.median(ts)
+        res[f"ours_{tag}_b{bsz}_frames_per_s_per_stream"] = fps
+        res[f"ours_{tag}_b{bsz}_aggregate_frames_per_s"] = fps * bsz
+        log(f"ours {tag} batch {bsz}: {fps:.1f} frames/s per stream, {fps * bsz:.0f} aggregate")
+        for s in range(bsz):
+            b.state.reset([s])
+        codes = torch.randint(0, 2048, (bsz, 32, 1))
+        dec = lambda: b.decode_slots(slots, codes)  # noqa: E731
+        for _ in range(3):
+            dec()
+        res[f"ours_{tag}_b{bsz}_mimi_decode_ms"] = statistics.median(cuda_time(dec, 10)) * 1000
+        log(f"ours {tag} Mimi decode batch {bsz}: {res[f'ours_{tag}_b{bsz}_mimi_decode_ms']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ data-dependent Python control flow (CUDA-graph friendly).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -131,6 +132,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if _KERNELS and x.is_cuda:
+            from realtime.kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -179,6 +184,21 @@ class KVCache:
         self.v[:, idx] = 0
 
 
+def use_kernels(enabled: bool | None = None) -> bool:
+    """The Triton fast path (fused RMSNorm, rotary, decode attention) on CUDA; off = plain PyTorch.
+
+    Set with REALTIME_KERNELS=1 (or call ``use_kernels(True)``). The kernels only run on CUDA
+    tensors; on the CPU the PyTorch code below is used either way.
+    """
+    global _KERNELS
+    if enabled is not None:
+        _KERNELS = bool(enabled)
+    return _KERNELS
+
+
+_KERNELS = os.environ.get("REALTIME_KERNELS", "0") == "1"
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -220,8 +240,22 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # [B, H, T, D]
         k = k.transpose(1, 2)
         v = v.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        fast = _KERNELS and x.is_cuda
+        if fast:
+            from realtime.kernels.rotary import apply_rotary
+
+            q, k = apply_rotary(q, k, cos, sin)
+        else:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        if cache is not None and fast and t == 1:
+            from realtime.kernels.decode_attention import decode_attention
+
+            cache.k[layer, slots[:, None], :, pos] = k.transpose(1, 2).to(cache.dtype)
+            cache.v[layer, slots[:, None], :, pos] = v.transpose(1, 2).to(cache.dtype)
+            # keys 0..pos are valid for this query: reads the cache in place, no gather copy
+            out = decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], slots, pos[:, 0] + 1)
+            return self.o_proj(out.reshape(b, 1, cfg.n_heads * cfg.head_dim).to(x.dtype))
         if cache is not None:
             assert slots is not None
             # Advanced indices [B,1] and [B,T] separated by a slice: the indexed view is [B, T, Hkv, D].

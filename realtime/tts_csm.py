@@ -235,6 +235,7 @@ class CSMBackend(TTSBackend):
         self.cuda_graphs = on_cuda if cuda_graphs is None else (cuda_graphs and on_cuda)
         self.step_graphs = self.decode_graphs = None
         self.native_rate = int(self.mimi.sample_rate)
+        self.codebook_size = int(self.mimi.cfg.codebook_size)
         self.name = "csm"
         self.voices = ()
         self.codec_device = codec_device
@@ -294,7 +295,10 @@ class CSMBackend(TTSBackend):
 
     def decode_slots(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """One streaming decoder step for the given slots only: codes [B, K, 1] → [B, 1, 1920]."""
-        codes = codes.to(self.codec_device, non_blocking=True)
+        # The generator's vocabulary has a few non-audio ids above the codec's codebook (pad and
+        # friends); a trained model never emits them mid-speech, random weights can. Clamp so a
+        # stray id is a click, not a device-side assert.
+        codes = codes.clamp(0, self.codebook_size - 1).to(self.codec_device, non_blocking=True)
         if self.decode_graphs is not None:
             n = len(slots)
 
@@ -382,7 +386,7 @@ class CSMBackend(TTSBackend):
             self.csm.prefill(self.state, slot, prompt)
             s = torch.tensor([slot])
             codes = self.csm.step(self.state, s, torch.tensor([0.0]), torch.tensor([50]), torch.tensor([0]))
-            self.decode_slots(s, codes.cpu().clamp(0, self.csm.audio_vocab_size - 1)[:, :, None])
+            self.decode_slots(s, codes.cpu()[:, :, None])
         finally:
             self.pool.give(slot)
         log.info("warmed up CSM + Mimi in %.2fs", time.perf_counter() - t0)

@@ -1,0 +1,45 @@
+"""The Triton fast path of the shared transformer (REALTIME_KERNELS) equals the PyTorch path on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, use_kernels
+
+CFG = TransformerConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512,
+                        max_seq_len=64, rope_theta=10000.0)
+
+
+def _run(model: Transformer, x: torch.Tensor, kernels: bool) -> torch.Tensor:
+    use_kernels(kernels)
+    try:
+        cache = KVCache(CFG, n_slots=4, max_seq_len=64, device=x.device, dtype=x.dtype)
+        slots = torch.tensor([2, 0, 3], device=x.device)
+        b, t = x.shape[0], 9
+        pos = torch.arange(t, device=x.device)[None].expand(b, t)
+        outs = [model(x[:, :t], pos, cache, slots)]
+        for i in range(t, x.shape[1]):  # one-token decode steps: the decode-attention kernel's path
+            outs.append(model(x[:, i:i + 1], torch.full((b, 1), i, device=x.device), cache, slots))
+        return torch.cat(outs, dim=1).float()
+    finally:
+        use_kernels(False)
+
+
+def test_switch_is_inert_on_the_cpu() -> None:
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval()
+    x = torch.randn(3, 14, CFG.dim)
+    with torch.no_grad():
+        assert torch.equal(_run(model, x, True), _run(model, x, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_kernels_equal_pytorch_on_cuda(dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to("cuda", dtype)
+    x = torch.randn(3, 14, CFG.dim, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref, fast = _run(model, x, False), _run(model, x, True)
+    assert (fast - ref).norm() / ref.norm() < tol
