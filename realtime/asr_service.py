@@ -71,6 +71,9 @@ class AsrConfig:
     max_pending_utterances: int = 4  # ended utterances waiting for their final
     idle_keep_ms: int = 1000  # audio kept before speech starts (the VAD start is padded back)
     final_boost_s: float = 1.0  # finals are this much more urgent than anything else
+    # Partials are best effort: after a decode step of d seconds a stream's next partial waits at
+    # least partial_gap * d, so re-decodes take at most ~1/(1+gap) of the worker under load.
+    partial_gap: float = 1.0
     max_batch: int = 8  # streams per decode call
     output_capacity: int = 256
     max_file_s: float = 600.0  # longest upload to /v1/audio/transcriptions
@@ -127,6 +130,7 @@ class ASRJob(Job):
         self.buf_len = 0
         self.utts: deque[Utterance] = deque()  # ended ones first, at most one open (the last)
         self.partial_due_at: float | None = None
+        self.next_partial_at = 0.0  # monotonic; set by the decode lane from its step time
         self.stopping = False
         self.ended = False
         self.finals = 0
@@ -250,7 +254,7 @@ class ASRJob(Job):
         if not due:
             self.partial_due_at = None
         elif self.partial_due_at is None:
-            self.partial_due_at = time.monotonic()
+            self.partial_due_at = max(time.monotonic(), self.next_partial_at)
 
     def maybe_finish(self) -> None:
         with self.lock:
@@ -347,7 +351,7 @@ class VadLane(Lane):
 class _Row:
     job: ASRJob
     utt: Utterance
-    kind: str  # "partial" (may cut) or "final"
+    kind: str  # "partial" (may cut), "final" (decode then end) or "reuse" (end on the last partial)
     t: int  # end sample of the decoded audio
     audio: np.ndarray = field(repr=False)
 
@@ -368,27 +372,48 @@ class DecodeLane(Lane):
 
     def is_ready(self, job: Job) -> bool:
         assert isinstance(job, ASRJob)
-        return job.output.room() > 8 and (job.final_due() or job.partial_due_at is not None)
+        if job.output.room() <= 8:
+            return False
+        due = job.partial_due_at
+        return job.final_due() or (due is not None and due <= time.monotonic())
 
     def run(self, jobs: list[Job]) -> None:
         import torch
 
         t0 = time.perf_counter()
         seg = self.cfg.segment_ms * RATE // 1000
+        pad = self.cfg.speech_pad_ms * RATE // 1000
         rows: list[_Row] = []
+        reuse: list[_Row] = []
         for job in jobs:
             assert isinstance(job, ASRJob)
             with job.lock:
                 if not job.utts:
                     job.partial_due_at = None
                     continue
-                u = job.utts[0]
-                s = u.seg_start
-                if u.end is not None and u.end - s <= seg:
-                    rows.append(_Row(job, u, "final", u.end, job.audio(s, u.end).copy()))
-                else:
-                    t = min(u.end if u.end is not None else job.buf_end, s + seg)
-                    rows.append(_Row(job, u, "partial", t, job.audio(s, t).copy()))
+                # Every ended utterance of the stream that fits one decode goes into this batch
+                # (a stream sent faster than real time has several); the open or a too-long one
+                # only when it is at the head (its cut decodes are sequential).
+                for k, u in enumerate(list(job.utts)):
+                    if len(rows) >= self.max_batch or (k and u.end is None):
+                        break
+                    s = u.seg_start
+                    if u.end is not None and u.policy.last_decode_ms * RATE // 1000 >= u.end - pad and \
+                            u.policy.last_decode_ms > u.policy.segment_start_ms:
+                        # The last partial already decoded all the speech (the VAD waits for
+                        # silence after it): its hypothesis is the final, no second decode.
+                        reuse.append(_Row(job, u, "reuse", u.end, np.zeros(0, np.float32)))
+                    elif u.end is not None and u.end - s <= seg:
+                        rows.append(_Row(job, u, "final", u.end, job.audio(s, u.end).copy()))
+                    elif k == 0:
+                        t = min(u.end if u.end is not None else job.buf_end, s + seg)
+                        rows.append(_Row(job, u, "partial", t, job.audio(s, t).copy()))
+                        break
+                    else:
+                        break
+        for r in reuse:
+            self._apply(r, None)
+            r.job.maybe_finish()
         if not rows:
             return
         x = self._audio[: len(rows)]
@@ -410,8 +435,11 @@ class DecodeLane(Lane):
                                   prompt_ids=prompts if any(prompts) else None, cache=self.cache)
             for i, row_ids in zip(idx, ids, strict=True):
                 texts[i] = w.decode_text(row_ids).strip() if len(rows[i].audio) else ""
-        dt = (time.perf_counter() - t0) / len(rows)
+        step = time.perf_counter() - t0
+        dt = step / len(rows)
+        gap_until = time.monotonic() + self.cfg.partial_gap * step
         for r, text in zip(rows, texts, strict=True):
+            r.job.next_partial_at = gap_until
             self._apply(r, text.split())
             r.job.compute_s += dt
             r.job.maybe_finish()
@@ -423,19 +451,19 @@ class DecodeLane(Lane):
             return []
         return self.whisper.tokenizer.encode(" " + " ".join(ctx), add_special_tokens=False).ids
 
-    def _apply(self, r: _Row, words: list[str]) -> None:
+    def _apply(self, r: _Row, words: list[str] | None) -> None:
         job, u = r.job, r.utt
         t_ms = r.t * 1000 // RATE
-        if r.kind == "final":
-            events = u.policy.end(words, t_ms)
+        if r.kind in ("final", "reuse"):
+            events = u.policy.end(words, t_ms)  # words None: committed + the last partial's tail
         else:
             events = u.policy.on_hypothesis(words, t_ms)
         for ev in events:
-            job.emit(ev, u, r.kind == "final")
+            job.emit(ev, u, r.kind != "partial")
         with job.lock:
-            if r.kind == "final":
-                assert job.utts and job.utts[0] is u
-                job.utts.popleft()
+            if r.kind != "partial":
+                assert u in job.utts
+                job.utts.remove(u)
             job.trim()
             job.partial_due_at = None
             job.update_partial_due()

@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         generator_device=args.generator_device, codec_device=args.codec_device or args.generator_device,
         dtype=args.dtype, tts_model=args.tts_model, warmup=not args.no_warmup,
         tts_slots=args.tts_slots, cuda_graphs=not args.eager,
+        text_slots=args.text_slots, text_context=args.text_context,
         asr_model=args.asr_model, text_model=args.text_model, image_model=args.image_model,
         enable_asr=not args.no_asr and _have("realtime.asr_service"),
         enable_text=not args.no_text and _have("realtime.text_service"),
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-text", action="store_true", help="do not serve text generation")
     s.add_argument("--tts-slots", type=int, default=16, help="CSM: concurrent streams (KV-cache slots)")
     s.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging)")
+    s.add_argument("--text-slots", type=int, default=None, help="text decode: concurrent requests")
+    s.add_argument("--text-context", type=int, default=None, help="text decode: tokens per request")
     s.add_argument("--max-frame-bytes", type=int, default=1 << 20)
     s.add_argument("--max-streams", type=int, default=256)
     s.add_argument("--no-warmup", action="store_true")

@@ -25,6 +25,8 @@ class ServerConfig:
     asr_model: str | None = None  # None: embedded Whisper tiny.en (when enabled)
     text_model: str | None = None  # None: embedded SmolLM2 (when enabled)
     image_model: str | None = None
+    text_slots: int | None = None  # text decode: concurrent requests with a KV-cache slot (default per device)
+    text_context: int | None = None  # text decode: tokens per slot
     enable_asr: bool = False
     enable_text: bool = False
     warmup: bool = True

@@ -46,7 +46,7 @@ from starlette.websockets import WebSocket
 from realtime.errors import AuthError, InternalError, OverloadedError, RealtimeError
 from realtime.protocol import image as proto
 from realtime.protocol import messages as m
-from realtime.scheduler import Job, JobState, Lane, OutputChannel, Priority
+from realtime.scheduler import BACKGROUND_SLACK_S, Job, JobState, Lane, OutputChannel, Priority
 from realtime.service import Service
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ log = logging.getLogger("realtime.image")
 
 OUTPUT_CAPACITY = 8  # previews produced but not yet sent, per request
 ENCODER_THREADS = 2
+# Image steps also yield to speech that is due soon on the OTHER worker (the codec/vocoder shares
+# the device and the CPU with us), but never for longer than this: a liveness floor for images.
+YIELD_MAX_S = 0.25
 
 
 @dataclass
@@ -138,9 +141,33 @@ class DiTStepLane(Lane):
         super().__init__()
         self.svc = svc
         self.max_batch = svc.max_batch
+        self.last_step_at = 0.0
+        self._due_at = -1.0
+        self._due = False
 
     def is_ready(self, job: ImageJob) -> bool:  # type: ignore[override]
-        return not job.stepped_all and job.output.room() - job.pending > 2
+        if job.stepped_all or job.output.room() - job.pending <= 2:
+            return False
+        now = time.monotonic()
+        return not (self.speech_due(now) and now - self.last_step_at < YIELD_MAX_S)
+
+    def speech_due(self, now: float) -> bool:
+        """Is a realtime job on any other lane ready and due within the background slack?
+
+        On our own worker EDF already orders it first; this extends the rule to the other worker,
+        which competes with us for the same device (or CPU cores). Cached for 2 ms: is_ready runs
+        once per job per pick.
+        """
+        if now - self._due_at < 0.002:
+            return self._due
+        due = False
+        sched = self.svc.scheduler
+        if sched is not None:
+            horizon = now + BACKGROUND_SLACK_S
+            due = any(j.priority is Priority.REALTIME and j.deadline(now) < horizon
+                      for lane in sched.lanes() if lane is not self for j in lane.ready_jobs())
+        self._due_at, self._due = now, due
+        return due
 
     def run(self, jobs: list[ImageJob]) -> None:  # type: ignore[override]
         from realtime.engines.diffusion import to_jpeg, to_png
@@ -166,6 +193,7 @@ class DiTStepLane(Lane):
         if not live:
             return
         states = [st for _, st in live]
+        self.last_step_at = time.monotonic()
         eng.step_batch(states)
         if svc.sync is not None:
             # One sync per step: the worker must not queue image steps ahead on the device stream,

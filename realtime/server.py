@@ -8,6 +8,7 @@ import json
 import logging
 import struct
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -15,8 +16,9 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from realtime.config import ServerConfig
@@ -216,7 +218,17 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
 
         return StreamingResponse(stream(), media_type=media)
 
+    static_dir = Path(__file__).with_name("static")
+
+    async def index(request: Request) -> Response:
+        page = static_dir / "index.html"
+        if not page.is_file():
+            return PlainTextResponse("realtime: no browser client installed", status_code=404)
+        return FileResponse(page, media_type="text/html")
+
     routes = [
+        Route("/", index),
+        Mount("/static", StaticFiles(directory=static_dir, check_dir=False), name="static"),
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", models),
