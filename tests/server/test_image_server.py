@@ -260,7 +260,7 @@ def test_scheduler_prefers_speech_due_within_a_second() -> None:
     speech = Job(now=now)  # REALTIME, due at its creation (first audio)
     params = ImageParams(1, 10, 4.0, 0, SIZE, 1, SIZE, "ddim", "latent2rgb")
     img = ImageJob(params, seed=0)
-    svc = type("S", (), {"max_batch": 4})()
+    svc = type("S", (), {"max_batch": 4, "scheduler": None})()
     image_lane, speech_lane = DiTStepLane(svc), _FakeSpeechLane()  # type: ignore[arg-type]
     image_lane.add(img)
     speech_lane.add(speech)
@@ -287,3 +287,33 @@ def test_cli_remote_and_local(live, ckpt, tmp_path, capsys) -> None:  # noqa: AN
     assert "wrote" in capsys.readouterr().out
     assert main(["image", "--class-label", "3", "-o", str(remote), "--local"]) == 2  # no --model
     assert main(["image", "--class-label", "3000", "-o", str(remote), "--url", f"{live.ws}/v1/image"]) == 1
+
+
+def test_image_steps_yield_to_speech_on_the_other_worker() -> None:
+    """Speech due within a second on ANY lane (the codec worker shares the device) pauses image
+    steps, for at most YIELD_MAX_S (so images cannot starve)."""
+    from realtime.image_service import YIELD_MAX_S
+    from realtime.scheduler import Job
+
+    speech_lane = _FakeSpeechLane()
+    speech_lane.worker = "codec"
+    sched = type("Sched", (), {})()
+    svc = type("S", (), {"max_batch": 4, "scheduler": sched})()
+    image_lane = DiTStepLane(svc)  # type: ignore[arg-type]
+    sched.lanes = lambda: [image_lane, speech_lane]
+    img = ImageJob(ImageParams(1, 10, 4.0, 0, SIZE, 1, SIZE, "ddim", "latent2rgb"), seed=0)
+    image_lane.add(img)
+    assert image_lane.is_ready(img)  # no speech at all
+    speech = Job()
+    speech_lane.add(speech)
+    now = time.monotonic()
+    speech.deadline = lambda t: t + 0.5
+    image_lane._due_at = -1.0
+    image_lane.last_step_at = now  # just stepped: yield
+    assert not image_lane.is_ready(img)
+    image_lane.last_step_at = now - YIELD_MAX_S - 0.01  # waited long enough: one step anyway
+    assert image_lane.is_ready(img)
+    speech.deadline = lambda t: t + 1.5  # speech well ahead: images fill the gap
+    image_lane._due_at = -1.0
+    image_lane.last_step_at = time.monotonic()
+    assert image_lane.is_ready(img)
