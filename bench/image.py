@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,9 +121,9 @@ def bench_engine(folder: Path, device: str, dtype: torch.dtype, batches: list[in
                              "preview_overhead_pct": {k: 100 * v / step for k, v in prev.items()},
                              "preview_overhead_with_jpeg_pct": {k: 100 * (v + jpeg[k]) / step
                                                                 for k, v in prev.items()}}
-        log(f"  batch {b}: step {step * 1000:.2f} ms; preview on the worker: latent2rgb {prev['latent2rgb'] * 1000:.2f} ms "
-            f"({100 * prev['latent2rgb'] / step:.1f} %), taesd {prev['taesd'] * 1000:.2f} ms "
-            f"({100 * prev['taesd'] / step:.1f} %); JPEG off the worker {jpeg['latent2rgb'] * 1000:.2f} ms")
+        log(f"  batch {b}: step {step * 1000:.2f} ms; preview on the worker: "
+            f"latent2rgb {prev['latent2rgb'] * 1000:.2f} ms ({100 * prev['latent2rgb'] / step:.1f} %), "
+            f"taesd {prev['taesd'] * 1000:.2f} ms ({100 * prev['taesd'] / step:.1f} %); JPEG off the worker {jpeg['latent2rgb'] * 1000:.2f} ms")
     # end-to-end: N steps + VAE decode for one image
     e2e = []
     for r in range(3):

@@ -1,7 +1,8 @@
 """Class-conditional image generation (DiT) on the one scheduler, with progressive previews.
 
 GENERATOR lane ``dit.step`` (worker "generator", jobs of priority BACKGROUND, so any speech job due
-within a second wins the worker; image steps fill the gaps): ONE batched denoising step for every
+within a second wins the worker; image steps fill the gaps; they also pause, for at most
+``YIELD_MAX_S``, while speech on the other worker is due within a second): ONE batched denoising step for every
 ready request, whatever step index each is at (``DiTEngine.step_batch``). After the step, requests
 whose step count hits their ``preview_every`` get a preview (latent2rgb or TAESD, batched per kind);
 requests that took their last step are decoded by the full VAE, batched. The lane only does tensor
@@ -412,8 +413,9 @@ class ImageService(Service):
                             results[job.id] = item.data
                     if job.state is JobState.FAILED:
                         st.metrics.errors.inc()
-                        err = job.error if isinstance(job.error, RealtimeError) else InternalError("image generation failed")
-                        return http_error(err, 400 if isinstance(job.error, RealtimeError) else 500)
+                        if isinstance(job.error, RealtimeError):
+                            return http_error(job.error, 400)
+                        return http_error(InternalError("image generation failed"), 500)
                 self.scheduler.wake()  # type: ignore[union-attr]
         finally:
             for job in jobs:
