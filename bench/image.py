@@ -123,7 +123,8 @@ def bench_engine(folder: Path, device: str, dtype: torch.dtype, batches: list[in
                                                                 for k, v in prev.items()}}
         log(f"  batch {b}: step {step * 1000:.2f} ms; preview on the worker: "
             f"latent2rgb {prev['latent2rgb'] * 1000:.2f} ms ({100 * prev['latent2rgb'] / step:.1f} %), "
-            f"taesd {prev['taesd'] * 1000:.2f} ms ({100 * prev['taesd'] / step:.1f} %); JPEG off the worker {jpeg['latent2rgb'] * 1000:.2f} ms")
+            f"taesd {prev['taesd'] * 1000:.2f} ms ({100 * prev['taesd'] / step:.1f} %); "
+            f"JPEG off the worker {jpeg['latent2rgb'] * 1000:.2f} ms")
     # end-to-end: N steps + VAE decode for one image
     e2e = []
     for r in range(3):

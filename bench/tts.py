@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "server"))
 
 PROMPTS = {
     "hello": "Hello.",
+    "short": "Hello there, how are you today?",
     "sentences": ("The committee met on Tuesday to discuss the new budget. After a long debate, they "
                   "agreed to fund the library renovation. Work will begin early next spring."),
 }
@@ -95,6 +96,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--arrival-s", type=float, default=1.0, help="open-loop arrival window per sweep level")
     ap.add_argument("--rate", type=int, default=24000)
+    ap.add_argument("--prompts", nargs="+", default=["hello", "sentences"], choices=list(PROMPTS))
+    ap.add_argument("--sweep-prompt", default="sentences", choices=list(PROMPTS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tts.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "tts_bench.png"))
     args = ap.parse_args()
@@ -130,9 +133,10 @@ def main() -> int:
         async def run() -> None:
             log(f"warm-up: {args.warmup} rounds")
             for i in range(args.warmup):
-                await one_stream(url, PROMPTS["hello"] if i % 2 else PROMPTS["sentences"], args.rate)
+                await one_stream(url, PROMPTS[args.prompts[i % len(args.prompts)]], args.rate)
             single = {}
-            for name, text in PROMPTS.items():
+            for name in args.prompts:
+                text = PROMPTS[name]
                 log(f"single stream, prompt '{name}': {args.rounds} rounds")
                 rs = [await one_stream(url, text, args.rate) for _ in range(args.rounds)]
                 ttfa = [r["ttfa_ms"] for r in rs]
@@ -145,7 +149,8 @@ def main() -> int:
             sweep = []
             for n in args.concurrency:
                 log(f"concurrency {n}: open-loop arrivals over {args.arrival_s}s")
-                sweep.append(await sweep_level(url, PROMPTS["sentences"], args.rate, n, args.arrival_s))
+                sweep.append(await sweep_level(url, PROMPTS[args.sweep_prompt], args.rate, n, args.arrival_s))
+            results["sweep_prompt"] = args.sweep_prompt
             results["sweep"] = sweep
 
         asyncio.run(run())
