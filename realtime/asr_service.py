@@ -73,7 +73,7 @@ class AsrConfig:
     final_boost_s: float = 1.0  # finals are this much more urgent than anything else
     # Partials are best effort: after a decode step of d seconds a stream's next partial waits at
     # least partial_gap * d, so re-decodes take at most ~1/(1+gap) of the worker under load.
-    partial_gap: float = 1.0
+    partial_gap: float = 2.0
     max_batch: int = 8  # streams per decode call
     output_capacity: int = 256
     max_file_s: float = 600.0  # longest upload to /v1/audio/transcriptions
@@ -131,6 +131,7 @@ class ASRJob(Job):
         self.utts: deque[Utterance] = deque()  # ended ones first, at most one open (the last)
         self.partial_due_at: float | None = None
         self.next_partial_at = 0.0  # monotonic; set by the decode lane from its step time
+        self.early = False  # the due decode is the one at the onset of silence (a likely final)
         self.stopping = False
         self.ended = False
         self.finals = 0
@@ -178,6 +179,8 @@ class ASRJob(Job):
         utts = self.utts
         if utts and utts[0].end is not None and utts[0].ended_at is not None:
             return utts[0].ended_at - self.cfg.final_boost_s
+        if self.early and self.partial_due_at is not None:
+            return self.partial_due_at - self.cfg.final_boost_s
         due = [t for t in (self.inbox_since, self.partial_due_at) if t is not None]
         return min(due) if due else now + 1.0
 
@@ -246,9 +249,20 @@ class ASRJob(Job):
         u = self.utts[0] if self.utts else None
         if u is None or u.end is not None:
             self.partial_due_at = None
+            self.early = False
             return
         t_ms = min(self.buf_end, u.seg_start + self.cfg.segment_ms * RATE // 1000) * 1000 // RATE
         seg_ms = t_ms - u.policy.segment_start_ms
+        st = self.vad_state
+        if (self.live and st.triggered and st.temp_end and u.policy.last_decode_ms * RATE // 1000 < st.temp_end
+                and seg_ms >= self.cfg.min_decode_ms and t_ms * RATE // 1000 >= st.temp_end):
+            # Silence has begun: decode everything up to here now, urgently. If the VAD then ends
+            # the utterance (after its silence hangover) this hypothesis is the final, so the
+            # final costs no decode after the end of speech is confirmed.
+            if not self.early:
+                self.early = True
+                self.partial_due_at = time.monotonic()
+            return
         # Without interim results a re-decode only serves to cut an utterance longer than 30 s.
         due = u.policy.should_decode(t_ms) and (self.params.interim or seg_ms >= self.cfg.segment_ms)
         if not due:
@@ -354,6 +368,7 @@ class _Row:
     kind: str  # "partial" (may cut), "final" (decode then end) or "reuse" (end on the last partial)
     t: int  # end sample of the decoded audio
     audio: np.ndarray = field(repr=False)
+    urgent: bool = True  # finals (and decodes at the onset of silence); plain partials are not
 
 
 class DecodeLane(Lane):
@@ -407,13 +422,17 @@ class DecodeLane(Lane):
                         rows.append(_Row(job, u, "final", u.end, job.audio(s, u.end).copy()))
                     elif k == 0:
                         t = min(u.end if u.end is not None else job.buf_end, s + seg)
-                        rows.append(_Row(job, u, "partial", t, job.audio(s, t).copy()))
+                        rows.append(_Row(job, u, "partial", t, job.audio(s, t).copy(),
+                                         urgent=u.end is not None or job.early))
                         break
                     else:
                         break
         for r in reuse:
             self._apply(r, None)
             r.job.maybe_finish()
+        if any(r.urgent for r in rows):
+            # A step that carries finals is kept short: plain partials wait for the next step.
+            rows = [r for r in rows if r.urgent]
         if not rows:
             return
         x = self._audio[: len(rows)]
@@ -436,6 +455,7 @@ class DecodeLane(Lane):
             for i, row_ids in zip(idx, ids, strict=True):
                 texts[i] = w.decode_text(row_ids).strip() if len(rows[i].audio) else ""
         step = time.perf_counter() - t0
+        log.debug("decode step: %s in %.3f s", [(r.job.id, r.kind, r.urgent, len(r.audio) // 16) for r in rows], step)
         dt = step / len(rows)
         gap_until = time.monotonic() + self.cfg.partial_gap * step
         for r, text in zip(rows, texts, strict=True):
@@ -453,6 +473,7 @@ class DecodeLane(Lane):
 
     def _apply(self, r: _Row, words: list[str] | None) -> None:
         job, u = r.job, r.utt
+        job.early = False
         t_ms = r.t * 1000 // RATE
         if r.kind in ("final", "reuse"):
             events = u.policy.end(words, t_ms)  # words None: committed + the last partial's tail
