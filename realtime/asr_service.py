@@ -68,6 +68,7 @@ class AsrConfig:
     speech_pad_ms: int = 150  # audio kept around the VAD's speech edges
     max_buffer_s: float = 35.0  # utterance audio held per stream
     max_inbox_s: float = 30.0  # audio received but not yet through the VAD, per live stream
+    vad_step_s: float = 2.0  # audio per stream per VAD step (a file upload must not hog the worker)
     max_pending_utterances: int = 4  # ended utterances waiting for their final
     idle_keep_ms: int = 1000  # audio kept before speech starts (the VAD start is padded back)
     final_boost_s: float = 1.0  # finals are this much more urgent than anything else
@@ -322,7 +323,7 @@ class VadLane(Lane):
         batch: list[tuple[ASRJob, np.ndarray, bool]] = []
         for job in jobs:
             assert isinstance(job, ASRJob)
-            audio, fin = job.take_inbox(len(job.buf) - job.buf_len)
+            audio, fin = job.take_inbox(min(len(job.buf) - job.buf_len, int(self.cfg.vad_step_s * RATE)))
             job.append(audio)
             batch.append((job, audio, fin))
         _, events = self.vad.feed_many([j.vad_state for j, _, _ in batch], [a for _, a, _ in batch])

@@ -61,6 +61,12 @@ def arctic() -> np.ndarray:
     return audio
 
 
+@pytest.fixture(scope="module")
+def spoken(piper_backend) -> list[np.ndarray]:  # noqa: ANN001
+    """SENTENCES spoken by the embedded Piper voice, float32 at its 22.05 kHz."""
+    return [piper_backend.voice.synthesize(s).astype(np.float32) for s in SENTENCES]
+
+
 @dataclass
 class Result:
     messages: list[tuple[float, dict]] = field(default_factory=list)  # (client monotonic time, message)
@@ -168,13 +174,12 @@ async def test_four_streams_keep_up_in_real_time(live, arctic) -> None:  # noqa:
           f"rtf {[r.of('done')[0]['stats']['rtf'] for r in results]}")
 
 
-async def test_piper_round_trip_wer(live, piper_backend) -> None:  # noqa: ANN001
-    voice = piper_backend.voice
-    rate = voice.sample_rate
+async def test_piper_round_trip_wer(live, piper_backend, spoken) -> None:  # noqa: ANN001
+    rate = piper_backend.voice.sample_rate
     gap = np.zeros(int(0.8 * rate), np.float32)
     per_stream = [SENTENCES[i::4] for i in range(4)]
-    audios = [np.concatenate([np.concatenate([gap, voice.synthesize(s).astype(np.float32)]) for s in group] + [gap])
-              for group in per_stream]
+    audios = [np.concatenate([np.concatenate([gap, spoken[j]]) for j in range(i, len(SENTENCES), 4)] + [gap])
+              for i in range(4)]
     # 22.05 kHz s16 on the wire (resampled in the server), 10x faster than real time, 4 at once
     results = await asyncio.gather(*[stream(f"{live.ws}/v1/asr", a, rate=rate, chunk_ms=100, pace=10.0,
                                             interim=False) for a in audios])
@@ -187,6 +192,25 @@ async def test_piper_round_trip_wer(live, piper_backend) -> None:  # noqa: ANN00
         hyps += [norm(t) for t in finals]
     wer = jiwer.wer(refs, hyps)
     assert wer <= 0.10, (wer, list(zip(refs, hyps, strict=True)))
+
+
+async def test_speech_longer_than_whisper_window_is_cut(live, piper_backend, spoken) -> None:  # noqa: ANN001
+    # ~50 s of speech with pauses shorter than the VAD's 500 ms: one utterance, past the 35 s
+    # buffer and Whisper's 30 s window. The service cuts it at agreed words and carries the rest.
+    rate = piper_backend.voice.sample_rate
+    pause = np.zeros(int(0.25 * rate), np.float32)
+    audio = np.concatenate([np.concatenate([x, pause]) for x in spoken])
+    assert len(audio) / rate > 36
+    res = await stream(f"{live.ws}/v1/asr", audio, rate=rate, chunk_ms=250, pace=None, interim=False)
+    assert res.close_code == 1000
+    kinds = [m["type"] for _, m in res.messages]
+    assert kinds.count("speech_started") == 1 and kinds.count("speech_stopped") == 1
+    finals = res.of("final")
+    assert len(finals) >= 2
+    assert all(a["end_ms"] <= b["start_ms"] for a, b in zip(finals, finals[1:]))  # consecutive pieces
+    assert all(f["end_ms"] - f["start_ms"] <= 30000 for f in finals)
+    wer = jiwer.wer(norm(" ".join(SENTENCES)), norm(" ".join(f["text"] for f in finals)))
+    assert wer <= 0.15, (wer, [f["text"] for f in finals])
 
 
 async def test_finalize_ends_the_utterance_now_and_json_frames(live, arctic) -> None:  # noqa: ANN001
@@ -290,6 +314,10 @@ def test_transcribe_cli_against_live_server(live) -> None:  # noqa: ANN001
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert norm(r.stdout) == norm(ARCTIC)
+    local = subprocess.run([sys.executable, "-m", "realtime.cli", "transcribe", str(ASSET), "--local"],
+                           capture_output=True, text=True, timeout=120)
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert norm(local.stdout) == norm(ARCTIC)
     bad = subprocess.run([sys.executable, "-m", "realtime.cli", "transcribe", str(ASSET), "--url",
                           "ws://127.0.0.1:9/v1/asr"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
