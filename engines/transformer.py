@@ -135,7 +135,7 @@ class RMSNorm(nn.Module):
         if _KERNELS and x.is_cuda:
             from realtime.kernels.rmsnorm import rmsnorm
 
-            return rmsnorm(x, self.weight, self.eps)
+            return rmsnorm(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -7,6 +7,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in its CPU interpreter. The switch must be set before anything
+# imports triton (transformers and diffusers may, from other test modules), so it lives here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two cores in CI; tests are sized for that. Keep torch from oversubscribing.
 torch.set_num_threads(int(os.environ.get("REALTIME_TEST_THREADS", "2")))
 
