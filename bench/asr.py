@@ -186,7 +186,6 @@ def bench_faster_whisper(args: argparse.Namespace, utts: list[np.ndarray]) -> li
                      "final_after_vad_ms_p50": pct(flat, 50), "final_after_vad_ms_p95": pct(flat, 95),
                      "rtf_per_stream_mean": round(float(np.mean(busy)) / audio_s, 4),
                      "finals": len(flat), "utterances": len(flat)})
-        del model
     return rows
 
 
@@ -208,7 +207,8 @@ def main() -> int:
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        sp = f"{r['final_after_speech_ms_p50']}/{r['final_after_speech_ms_p95']}" if r["final_after_speech_ms_p50"] else "-"
+        sp = (f"{r['final_after_speech_ms_p50']}/{r['final_after_speech_ms_p95']}"
+              if r["final_after_speech_ms_p50"] else "-")
         vd = f"{r['final_after_vad_ms_p50']}/{r['final_after_vad_ms_p95']}"
         print(f"{r['engine']:40s} {r['streams']:>7d} {sp:>26s} {vd:>27s} {r['rtf_per_stream_mean']:>10.4f}")
     import torch

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -102,8 +103,9 @@ def main() -> int:
     folder = Path(args.folder)
     build(folder)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                          text=True).stdout.strip() or "unknown"}
+                 "commit": os.environ.get("REALTIME_COMMIT") or subprocess.run(
+                     ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+                 or "unknown"}
     bw = copy_bandwidth()
     res["copy_bandwidth_TBps"] = bw / 1e12
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
