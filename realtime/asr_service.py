@@ -12,8 +12,11 @@ Per stream (an ``ASRJob``) audio flows through two lanes on the generator worker
   finals; segments near Whisper's 30 s window are cut at the last agreed word.
 
 Deadlines (EDF across every lane of the server, TTS included): a final is due when its end of
-speech was heard, one second early so that finals beat partials and new audio; new audio is due
-when it arrived; a partial is due when the stream's audio made the next re-decode due.
+speech was heard, one second early so that finals beat partials and new audio; so is the decode
+at the onset of silence (when the VAD then confirms the end, that hypothesis is the final and no
+decode is left); new audio is due when it arrived; a partial is due when the stream's audio made
+the next re-decode due, spaced by the last step's duration so that under load partials thin out.
+Steps that carry finals carry no plain partials. docs/asr.md has the full picture.
 
 Everything is bounded: audio waiting for the VAD (``max_inbox_s``, the session stops reading
 the socket when it is full: TCP back-pressure), the utterance buffer (``max_buffer_s``: the VAD
@@ -172,7 +175,10 @@ class ASRJob(Job):
 
     # ---- scheduling ----
     def final_due(self) -> bool:
-        return bool(self.utts) and self.utts[0].end is not None
+        try:
+            return self.utts[0].end is not None
+        except IndexError:
+            return False
 
     def deadline(self, now: float) -> float:
         if not self.live:
@@ -314,9 +320,13 @@ class VadLane(Lane):
 
     def is_ready(self, job: Job) -> bool:
         assert isinstance(job, ASRJob)
-        if not job.inbox or job.output.room() <= 8 or len(job.utts) > job.cfg.max_pending_utterances:
+        try:  # also read from the metrics endpoint's thread while the worker pops: no check-then-index
+            head = job.inbox[0]
+        except IndexError:
             return False
-        return job.buf_len < len(job.buf) or job.inbox[0] is _FINALIZE
+        if job.output.room() <= 8 or len(job.utts) > job.cfg.max_pending_utterances:
+            return False
+        return job.buf_len < len(job.buf) or head is _FINALIZE
 
     def run(self, jobs: list[Job]) -> None:
         t0 = time.perf_counter()
