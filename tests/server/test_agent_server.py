@@ -1,0 +1,399 @@
+"""The voice agent end to end on a real uvicorn server with the embedded models (Silero VAD +
+Whisper tiny.en, SmolLM2, Piper): the official ``openai`` SDK's realtime client, a simulated
+Twilio Media Streams peer, raw-WebSocket error handling, and the ``realtime agent`` CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import websockets
+from liveserver import serve
+
+from realtime.agent import AgentConfig
+from realtime.agent_service import AgentService
+from realtime.asr_service import ASRService
+from realtime.codecs.g711 import ulaw_decode
+from realtime.codecs.resample import pack_pcm, resample
+from realtime.config import ServerConfig
+from realtime.server import create_app
+from realtime.text_service import TextService
+
+ASSET = Path(__file__).resolve().parents[1] / "assets" / "arctic_a0009.wav"
+REPLY_TOKENS = 24  # the LLM is tiny and the CPU shared: short replies keep the file fast
+METRICS = ("turn_latency_ms", "asr_final_ms", "llm_ttft_ms", "tts_ttfa_ms", "audio_ms", "played_ms", "underruns")
+
+
+@pytest.fixture(scope="module")
+def live(piper_backend):  # noqa: ANN001, ANN201
+    cfg = ServerConfig(warmup=False)
+    agent = AgentService(cfg, AgentConfig(max_tokens=REPLY_TOKENS, temperature=0.0, seed=0))
+    app = create_app(cfg, tts=piper_backend,
+                     services=[ASRService(cfg), TextService(cfg, n_slots=4, max_seq_len=1024), agent])
+    with serve(app) as srv:
+        srv.agent = agent
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def speech16() -> np.ndarray:
+    audio, rate = sf.read(ASSET, dtype="float32")
+    assert rate == 16000
+    return audio
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64)))) if len(x) else 0.0
+
+
+class Mic:
+    """A live microphone: silence, and speech whenever ``say()`` queues it, at ``pace`` x real time."""
+
+    def __init__(self, send, rate: int, fmt: str, frame_ms: int, pace: float = 1.0) -> None:  # noqa: ANN001
+        self.send, self.rate, self.fmt, self.pace = send, rate, fmt, pace
+        self.n = rate * frame_ms // 1000
+        self.queue = np.zeros(0, np.float32)
+        self.spoken = 0  # speech samples sent
+        self.task: asyncio.Task | None = None
+
+    def say(self, x: np.ndarray) -> None:
+        self.queue = np.concatenate([self.queue, x.astype(np.float32)])
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        t0, sent = time.monotonic(), 0
+        while True:
+            take = self.queue[: self.n]
+            self.queue = self.queue[len(take):]
+            self.spoken += len(take)
+            frame = np.concatenate([take, np.zeros(self.n - len(take), np.float32)])
+            await self.send(pack_pcm(frame, self.fmt))
+            sent += self.n
+            await asyncio.sleep(max(0.0, t0 + sent / self.rate / self.pace - time.monotonic()))
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+# ---- OpenAI Realtime through the official SDK ------------------------------------------------------
+
+def test_openai_sdk_turn_then_barge_in(live, speech16) -> None:  # noqa: ANN001
+    from openai import AsyncOpenAI
+
+    speech = resample(speech16, 16000, 24000)
+
+    async def run() -> None:
+        client = AsyncOpenAI(api_key="x", websocket_base_url=f"{live.ws}/v1")
+        async with client.realtime.connect(model="realtime-agent") as conn:
+            created = await conn.recv()
+            assert created.type == "session.created"
+            await conn.session.update(session={
+                "type": "realtime", "instructions": "You are a helpful assistant. Answer briefly.",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                    "turn_detection": {"type": "server_vad", "threshold": 0.5,
+                                                       "prefix_padding_ms": 300, "silence_duration_ms": 500,
+                                                       "interrupt_response": True}},
+                          "output": {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "alloy"}}})
+            updated = await conn.recv()
+            assert updated.type == "session.updated", updated
+            assert updated.session.audio.input.turn_detection.interrupt_response is True
+            assert updated.session.audio.output.format.type == "audio/pcm"
+
+            async def send_audio(data: bytes) -> None:
+                await conn.input_audio_buffer.append(audio=base64.b64encode(data).decode("ascii"))
+
+            mic = Mic(send_audio, 24000, "pcm_s16le", 40, pace=2.0)
+            mic.start()
+            mic.say(speech)
+            # ---- turn 1: speech in -> transcript -> streamed reply -> response.done with metrics
+            seen: list[str] = []
+            transcript = None
+            audio: list[np.ndarray] = []
+            done = None
+            while done is None:
+                ev = await asyncio.wait_for(conn.recv(), 60)
+                seen.append(ev.type)
+                if ev.type == "conversation.item.input_audio_transcription.completed":
+                    transcript = ev.transcript
+                elif ev.type == "response.output_audio.delta":
+                    audio.append(np.frombuffer(base64.b64decode(ev.delta), "<i2") / 32768.0)
+                elif ev.type == "response.done":
+                    done = ev.response
+                elif ev.type == "error":
+                    raise AssertionError(ev.error)
+            assert transcript is not None and "gregson" in transcript.lower(), transcript
+            order = [seen.index(t) for t in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                                             "input_audio_buffer.committed", "response.created",
+                                             "response.output_audio.delta", "response.done")]
+            assert order == sorted(order), seen
+            reply = np.concatenate(audio)
+            assert len(reply) > 0.3 * 24000 and rms(reply) > 0.01  # real speech, not silence
+            assert done.status == "completed", done.status_details
+            m = done.model_extra["realtime_metrics"]
+            assert all(k in m for k in METRICS), m
+            assert 0 < m["turn_latency_ms"] < 30000 and m["llm_ttft_ms"] > 0 and m["tts_ttfa_ms"] > 0
+            assert abs(m["audio_ms"] - 1000 * len(reply) / 24000) < 1.0
+            assert done.usage.output_tokens > 0
+            spoken1 = done.output[0].content[0].transcript
+            assert spoken1
+
+            # ---- turn 2: a long reply, interrupted by speech while it plays
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": 400})
+            mic.say(speech)
+            rid = item_id = None
+            got_audio_ms = 0.0
+            after_cancel = 0
+            cancelled = None
+            while cancelled is None:
+                ev = await asyncio.wait_for(conn.recv(), 60)
+                if ev.type == "response.created":
+                    rid = ev.response.id
+                elif ev.type == "response.output_audio.delta" and ev.response_id == rid:
+                    if item_id is None:
+                        item_id = ev.item_id
+                        mic.say(speech)  # the user talks over the agent
+                    got_audio_ms += len(base64.b64decode(ev.delta)) / 2 / 24.0
+                elif ev.type == "response.done" and ev.response.id == rid:
+                    cancelled = ev.response
+                elif ev.type == "error":
+                    raise AssertionError(ev.error)
+            assert cancelled.status == "cancelled", cancelled.status
+            assert cancelled.status_details.reason == "turn_detected"
+            mc = cancelled.model_extra["realtime_metrics"]
+            assert mc["interrupted"] is True and mc["played_ms"] <= mc["audio_ms"] + 1
+            assert mc["llm_tokens"] < 400  # cut short, not run to its end
+            # The client played only part of it: truncate, and the server's transcript follows.
+            await conn.conversation.item.truncate(item_id=item_id, content_index=0,
+                                                  audio_end_ms=int(min(got_audio_ms, 400)))
+            truncated = None
+            t_end = time.monotonic() + 30
+            while truncated is None and time.monotonic() < t_end:
+                ev = await asyncio.wait_for(conn.recv(), 30)
+                if ev.type == "response.output_audio.delta" and ev.response_id == rid:
+                    after_cancel += 1
+                elif ev.type == "conversation.item.truncated":
+                    truncated = ev
+                elif ev.type == "error":
+                    raise AssertionError(ev.error)
+            assert truncated is not None and truncated.item_id == item_id
+            assert after_cancel == 0  # audio of the cancelled reply stopped at once
+            sess = next(s for s in live.agent.sessions.values() if any(t["response_id"] == rid for t in s.turns))
+            hist = [h for h in sess.history.items if h["role"] == "assistant"]
+            full = cancelled.output[0].content[0].transcript if cancelled.output[0].content else ""
+            assert len(hist[-1]["content"]) <= len(full)
+            assert hist[-1]["content"] == full[:len(hist[-1]["content"])].rstrip()
+            await mic.stop()
+
+    asyncio.run(run())
+
+
+# ---- errors on /v1/realtime: an error event, never a disconnect --------------------------------------
+
+def test_unsupported_events_get_error_events_and_the_session_goes_on(live) -> None:  # noqa: ANN001
+    async def run() -> None:
+        async with websockets.connect(f"{live.ws}/v1/realtime") as ws:
+            first = json.loads(await ws.recv())
+            assert first["type"] == "session.created"
+
+            async def expect_error(frame: str, code: str) -> dict:
+                await ws.send(frame)
+                while True:
+                    ev = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                    if ev["type"] == "error":
+                        assert ev["error"]["code"] == code, ev
+                        return ev
+            ev = await expect_error(json.dumps({"type": "conversation.item.delete", "event_id": "e1",
+                                                "item_id": "x"}), "unsupported")
+            assert ev["error"]["event_id"] == "e1"
+            await expect_error(json.dumps({"type": "no.such.event"}), "unknown_event")
+            await expect_error("{not json", "invalid_frame")
+            await expect_error(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"input": {"format": {"type": "audio/opus"}}}}}), "unsupported")
+            await expect_error(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"output": {"voice": "nobody"}}}}), "unsupported")
+            await expect_error(json.dumps({"type": "conversation.item.truncate", "item_id": "item_nope",
+                                           "content_index": 0, "audio_end_ms": 10}), "item_not_found")
+            await expect_error(json.dumps({"type": "response.cancel"}), "response_cancel_not_active")
+            await expect_error(json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}), "invalid_frame")
+            # still open: a text turn in μ-law output gets a spoken reply
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}}}))
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}}))
+            await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 12,
+                                                                             "metadata": {"turn": "text"}}}))
+            audio = bytearray()
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if ev["type"] == "response.output_audio.delta":
+                    audio += base64.b64decode(ev["delta"])
+                elif ev["type"] == "response.done":
+                    break
+                elif ev["type"] == "error":
+                    raise AssertionError(ev)
+            resp = ev["response"]
+            assert resp["status"] in ("completed", "incomplete") and resp["metadata"] == {"turn": "text"}
+            assert resp["audio"]["output"]["format"]["type"] == "audio/pcmu"
+            pcm = ulaw_decode(np.frombuffer(bytes(audio), np.uint8)) / 32768.0
+            assert len(pcm) > 0.3 * 8000 and rms(pcm) > 0.01
+            assert resp["realtime_metrics"]["turn_latency_ms"] is None  # no speech turn to measure from
+
+    asyncio.run(run())
+
+
+# ---- Twilio Media Streams ---------------------------------------------------------------------------
+
+class TwilioPeer:
+    """What Twilio sends on a bidirectional <Connect><Stream>, and a caller's phone that plays the
+    agent's audio in real time and echoes each mark when playback reaches it."""
+
+    def __init__(self, ws) -> None:  # noqa: ANN001
+        self.ws = ws
+        self.sid = "MZ" + "0" * 30
+        self.seq = 0
+        self.chunk = 0
+        self.media: list[bytes] = []
+        self.marks: list[str] = []
+        self.clears = 0
+        self.playing_until = 0.0
+        self.pending: list[tuple[float, str]] = []
+        self.events: list[tuple[float, str]] = []
+
+    def _next(self) -> str:
+        self.seq += 1
+        return str(self.seq)
+
+    async def send(self, msg: dict) -> None:
+        await self.ws.send(json.dumps(msg))
+
+    async def connect(self) -> None:
+        await self.send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
+        await self.send({"event": "start", "sequenceNumber": self._next(), "streamSid": self.sid,
+                         "start": {"accountSid": "AC" + "1" * 32, "streamSid": self.sid, "callSid": "CA" + "2" * 32,
+                                   "tracks": ["inbound"], "customParameters": {"caller": "test"},
+                                   "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}})
+
+    async def send_media(self, payload: bytes) -> None:
+        assert len(payload) == 160
+        self.chunk += 1
+        await self.send({"event": "media", "sequenceNumber": self._next(), "streamSid": self.sid,
+                         "media": {"track": "inbound", "chunk": str(self.chunk), "timestamp": str(20 * (self.chunk - 1)),
+                                   "payload": base64.b64encode(payload).decode("ascii")}})
+
+    async def echo_due_marks(self) -> None:
+        now = time.monotonic()
+        while self.pending and self.pending[0][0] <= now:
+            _, name = self.pending.pop(0)
+            await self.send({"event": "mark", "sequenceNumber": self._next(), "streamSid": self.sid,
+                             "mark": {"name": name}})
+
+    async def receive(self) -> None:
+        async for frame in self.ws:
+            msg = json.loads(frame)
+            now = time.monotonic()
+            assert msg["streamSid"] == self.sid, msg
+            self.events.append((now, msg["event"]))
+            if msg["event"] == "media":
+                data = base64.b64decode(msg["media"]["payload"])
+                assert len(data) == 160  # 20 ms frames
+                self.media.append(data)
+                self.playing_until = max(now, self.playing_until) + 0.02
+            elif msg["event"] == "mark":
+                self.marks.append(msg["mark"]["name"])
+                self.pending.append((max(now, self.playing_until), msg["mark"]["name"]))
+            elif msg["event"] == "clear":
+                self.clears += 1
+                self.playing_until = now
+                for _, name in self.pending:  # Twilio answers a clear with the pending marks
+                    await self.send({"event": "mark", "sequenceNumber": self._next(), "streamSid": self.sid,
+                                     "mark": {"name": name}})
+                self.pending.clear()
+            else:
+                raise AssertionError(f"unexpected message {msg}")
+
+
+def test_twilio_call_gets_media_mark_and_clear(live, speech16) -> None:  # noqa: ANN001
+    speech8 = resample(speech16, 16000, 8000)
+
+    async def run() -> None:
+        async with websockets.connect(f"{live.ws}/v1/telephony/twilio") as ws:
+            peer = TwilioPeer(ws)
+            # bad messages are logged and skipped, the call stays up
+            await ws.send("not json")
+            await peer.send({"event": "media", "streamSid": peer.sid, "media": {"payload": "AAAA"}})  # before start
+            await peer.connect()
+            await peer.send({"event": "media", "streamSid": peer.sid, "media": {"payload": "@@@"}})
+            await peer.send({"event": "bogus"})
+            await peer.send({"event": "dtmf", "streamSid": peer.sid, "dtmf": {"track": "inbound_track", "digit": "5"}})
+            rx = asyncio.create_task(peer.receive())
+
+            async def send(data: bytes) -> None:
+                await peer.send_media(data)
+                await peer.echo_due_marks()
+
+            mic = Mic(send, 8000, "mulaw", 20, pace=1.0)  # Twilio sends 20 ms every 20 ms
+            mic.start()
+            mic.say(speech8)
+            t_end = time.monotonic() + 90
+            while not peer.marks and time.monotonic() < t_end:  # turn 1: the whole reply, then a mark
+                await asyncio.sleep(0.05)
+                if rx.done():
+                    rx.result()
+            assert peer.marks, "no mark after the agent's utterance"
+            n1 = len(peer.media)
+            reply = ulaw_decode(np.frombuffer(b"".join(peer.media), np.uint8)) / 32768.0
+            assert n1 * 0.02 > 0.3 and rms(reply) > 0.01  # real audio came back
+            mark_at = max(t for t, e in peer.events if e == "mark")
+            assert all(t <= mark_at for t, e in peer.events if e == "media")  # the mark follows the utterance
+            while peer.pending and time.monotonic() < t_end:  # the caller hears the reply to its end
+                await asyncio.sleep(0.05)
+            assert not peer.pending and peer.clears == 0
+            await asyncio.sleep(0.2)  # the echo reaches the server
+            # turn 2: while the agent answers, the caller talks over it -> clear
+            mic.say(speech8)
+            while len(peer.media) == n1 and time.monotonic() < t_end:
+                await asyncio.sleep(0.02)
+            mic.say(speech8)
+            while not peer.clears and time.monotonic() < t_end:
+                await asyncio.sleep(0.05)
+                if rx.done():
+                    rx.result()
+            assert peer.clears >= 1, "no clear on barge-in"
+            sess = next(s for s in live.agent.sessions.values() if s.id == peer.sid)
+            assert sess.turns[0]["interrupted"] is False and sess.turns[-1]["interrupted"] is True
+            assert sess.last_response is not None and sess.last_response.status == "cancelled"
+            await mic.stop()
+            await peer.send({"event": "stop", "sequenceNumber": peer._next(), "streamSid": peer.sid,
+                             "stop": {"accountSid": "AC", "callSid": "CA" + "2" * 32}})
+            await asyncio.wait_for(rx, 10)  # the server ends the call after 'stop'
+
+    asyncio.run(run())
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------
+
+def test_agent_cli_writes_a_spoken_reply(live, tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "reply.wav"
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "agent", "--wav", str(ASSET), "-o", str(out),
+                        "--url", f"{live.ws}/v1/realtime", "--max-tokens", "16"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "gregson" in r.stdout.lower(), r.stdout
+    audio, rate = sf.read(out, dtype="float32")
+    assert rate == 24000 and len(audio) > 0.3 * rate and rms(audio) > 0.01
+    bad = subprocess.run([sys.executable, "-m", "realtime.cli", "agent", "--wav", str(tmp_path / "missing.wav"),
+                          "-o", str(out), "--url", f"{live.ws}/v1/realtime"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "cannot read" in bad.stderr
