@@ -253,6 +253,63 @@ def test_unsupported_events_get_error_events_and_the_session_goes_on(live) -> No
     asyncio.run(run())
 
 
+def test_client_commit_mode_without_server_vad(live, speech16) -> None:  # noqa: ANN001
+    """turn_detection null: no VAD events, the client commits, then asks for the response."""
+    speech = resample(speech16, 16000, 24000)
+
+    async def run() -> None:
+        async with websockets.connect(f"{live.ws}/v1/realtime") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "max_output_tokens": 8, "audio": {"input": {"turn_detection": None}}}}))
+            upd = json.loads(await ws.recv())
+            assert upd["type"] == "session.updated" and upd["session"]["audio"]["input"]["turn_detection"] is None
+            pcm = pack_pcm(np.concatenate([speech, np.zeros(12000, np.float32)]), "pcm_s16le")
+            for i in range(0, len(pcm), 48000):  # faster than real time: nothing waits for the VAD
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(pcm[i:i + 48000]).decode()}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            kinds, transcript = [], None
+            while transcript is None:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                kinds.append(ev["type"])
+                if ev["type"] == "conversation.item.input_audio_transcription.completed":
+                    transcript = ev["transcript"]
+            assert "gregson" in transcript.lower(), transcript
+            assert "input_audio_buffer.committed" in kinds
+            assert not any(k.startswith("input_audio_buffer.speech") or k == "response.created" for k in kinds)
+            await ws.send(json.dumps({"type": "response.create"}))
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                assert ev["type"] != "error", ev
+                if ev["type"] == "response.done":
+                    break
+            assert ev["response"]["status"] in ("completed", "incomplete")
+            assert ev["response"]["usage"]["output_tokens"] <= 8
+
+    asyncio.run(run())
+
+
+def test_history_is_bounded_and_truncation_cuts_at_words() -> None:
+    from realtime.agent import History, _cut_words, _Response
+
+    h = History(max_messages=4, max_chars=60)
+    for i in range(6):
+        h.add("user", f"question {i}")
+        h.add("assistant", f"answer {i}")
+    assert len(h.items) <= 4 and h.items[0]["role"] == "user" and h.items[-1]["content"] == "answer 5"
+    h.add("user", "x" * 100)  # one long message: everything older goes, the message stays
+    assert [m["content"] for m in h.items] == ["x" * 100]
+    msgs = h.messages("system prompt")
+    assert msgs[0] == {"role": "system", "content": "system prompt"} and len(msgs) == 2
+    assert _cut_words("hello there world", 8) == "hello" and _cut_words("hello there", 99) == "hello there"
+    r = _Response(id="r", item_id="i", t_turn_end=None, t_final=None, max_tokens=8)
+    r.text, r.audio_ms, r.status = "one two three four", 4000.0, "completed"
+    assert r.text_at(2000, 0.001) == "one two" and r.text_at(5000, 0.001) == "one two three four"
+    r.status = "cancelled"  # cut short: the speaking rate decides, capped at what was written
+    assert r.text_at(300, 0.015) == "one" and r.text_at(500, 0.015) == "one two" and r.text_at(60000, 0.015) == "one two three four"
+
+
 # ---- Twilio Media Streams ---------------------------------------------------------------------------
 
 class TwilioPeer:
