@@ -31,6 +31,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -292,6 +293,7 @@ class AgentSession:
         # The transport acknowledges playback (Twilio mark echoes): a reply counts as playing until
         # its ack, whatever the simulated player says.
         self.playback_acks = False
+        self.on_turn: Callable[[dict[str, Any]], None] | None = None  # per-turn metrics hook (service)
         self._rate_chars = 0  # speaking rate of finished replies (text_at estimates)
         self._rate_ms = 0.0
 
@@ -730,6 +732,14 @@ class AgentSession:
             "interrupted": interrupted,
         }
         self.turns.append(metrics)
+        if self.metrics is not None:
+            if ttfa is not None:
+                self.metrics.ttfa.observe(ttfa / 1000.0)
+            self.metrics.underruns.inc(st["underruns"])
+            self.metrics.underrun_s.inc(st["underrun_ms"] / 1000.0)
+            self.metrics.audio_s.inc(r.audio_ms / 1000.0)
+        if self.on_turn is not None:
+            self.on_turn(metrics)
         prompt = r.text_job.prompt_tokens if r.text_job is not None else 0
         completion = metrics["llm_tokens"] or 0
         self.emit(ResponseFinished(r.id, r.item_id, r.status or "completed", r.reason, r.text.strip(), spoken,

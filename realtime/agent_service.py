@@ -49,6 +49,11 @@ class AgentService(Service):
         self.sessions: dict[str, AgentSession] = {}  # live conversations (inspection, tests, metrics)
         self.finished_turns = 0
         self._gauge = False
+        from realtime.metrics import Histogram
+
+        self.turn_latency = Histogram("realtime_agent_turn_latency_seconds",
+                                      "End of user speech to first agent audio sent",
+                                      (0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0))
 
     def load(self) -> None:
         pass  # the ASR, text and TTS services own the weights
@@ -69,6 +74,8 @@ class AgentService(Service):
 
             st.metrics.gauges.append(Gauge("realtime_agent_sessions", "Voice agent conversations in progress",
                                            lambda: {"": len(self.sessions)}))
+            # Rendered like a gauge (Metrics.render only calls .render()); a Metrics field would be tidier.
+            st.metrics.gauges.append(self.turn_latency)  # type: ignore[arg-type]
             self._gauge = True
         return asr, text
 
@@ -76,8 +83,13 @@ class AgentService(Service):
         asr, text = self.parts(st)
         s = AgentSession(scheduler=st.scheduler, asr=asr, text=text, tts=st.tts, config=config,
                          metrics=st.metrics, session=session)
+        s.on_turn = self._on_turn
         self.sessions[s.id] = s
         return s
+
+    def _on_turn(self, m: dict[str, Any]) -> None:
+        if m.get("turn_latency_ms") is not None:
+            self.turn_latency.observe(m["turn_latency_ms"] / 1000.0)
 
     def end_session(self, s: AgentSession) -> None:
         self.sessions.pop(s.id, None)

@@ -454,3 +454,11 @@ def test_agent_cli_writes_a_spoken_reply(live, tmp_path) -> None:  # noqa: ANN00
                           "-o", str(out), "--url", f"{live.ws}/v1/realtime"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "cannot read" in bad.stderr
+    # the turn shows up in /metrics, and the agent in /v1/models
+    import httpx
+
+    text = httpx.get(f"{live.http}/metrics").text
+    count = next(line for line in text.splitlines() if line.startswith("realtime_agent_turn_latency_seconds_count"))
+    assert float(count.split()[-1]) >= 1
+    kinds = {m["kind"] for m in httpx.get(f"{live.http}/v1/models").json()["data"]}
+    assert {"tts", "asr", "text", "agent"} <= kinds
