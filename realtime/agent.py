@@ -375,6 +375,12 @@ class AgentSession:
                 return t
         return self._arrivals[-1][1] if self._arrivals else time.monotonic()
 
+    def finalize_utterance(self) -> None:
+        """End the utterance in progress now (an explicit commit while the server VAD runs)."""
+        if self._asr_job is not None:
+            self._asr_job.push_finalize()
+            self.scheduler.wake()
+
     async def commit(self) -> str:
         """Client commit (no server VAD): end the utterance now, wait for its final, make it a turn.
         Returns the user item id."""

@@ -225,12 +225,9 @@ class OpenAIRealtimeSession:
         elif isinstance(ev, oa.AudioCommit):
             if self.cfg.turn_detection is not None:
                 # server VAD commits by itself; an explicit commit ends the current utterance now
-                agent._asr_job.push_finalize()  # type: ignore[union-attr]
-                self.app.scheduler.wake()
+                agent.finalize_utterance()
                 return
-            item = await agent.commit()
-            # UserTurn from commit() is translated by the sender (committed + transcription)
-            del item
+            await agent.commit()  # its UserTurn event becomes committed + transcription events
         elif isinstance(ev, oa.AudioClear):
             await agent.clear_audio()
             await self.send(oa.event("input_audio_buffer.cleared"))
