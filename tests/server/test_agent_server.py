@@ -430,7 +430,9 @@ def test_twilio_call_gets_media_mark_and_clear(live, speech16) -> None:  # noqa:
             assert peer.clears >= 1, "no clear on barge-in"
             sess = next(s for s in live.agent.sessions.values() if s.id == peer.sid)
             assert sess.turns[0]["interrupted"] is False and sess.turns[-1]["interrupted"] is True
-            assert sess.last_response is not None and sess.last_response.status == "cancelled"
+            # cut while generating (cancelled) or, on a fast machine, while still playing: either
+            # way the caller heard only part of it
+            assert sess.turns[-1]["played_ms"] < sess.turns[-1]["audio_ms"]
             await mic.stop()
             await peer.send({"event": "stop", "sequenceNumber": peer._next(), "streamSid": peer.sid,
                              "stop": {"accountSid": "AC", "callSid": "CA" + "2" * 32}})
