@@ -63,7 +63,12 @@ let playbackReady = null;
 /** The one playback AudioContext (24 kHz: the rate every endpoint here is asked to send). */
 export async function playbackContext() {
   if (!playbackCtx) {
-    playbackCtx = new AudioContext({ sampleRate: PLAYBACK_RATE, latencyHint: 'interactive' });
+    try {
+      playbackCtx = new AudioContext({ sampleRate: PLAYBACK_RATE, latencyHint: 'interactive' });
+    } catch {
+      // a browser without arbitrary context rates: the player worklet interpolates to the device rate
+      playbackCtx = new AudioContext({ latencyHint: 'interactive' });
+    }
     playbackReady = playbackCtx.audioWorklet.addModule(new URL('./player-worklet.js', import.meta.url));
   }
   await playbackReady;
