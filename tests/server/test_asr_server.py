@@ -212,7 +212,13 @@ async def test_speech_longer_than_whisper_window_is_cut(live, piper_backend, spo
     # buffer and Whisper's 30 s window. The service cuts it at agreed words and carries the rest.
     rate = piper_backend.voice.sample_rate
     pause = np.zeros(int(0.25 * rate), np.float32)
-    audio = np.concatenate([np.concatenate([x, pause]) for x in spoken])
+
+    def trimmed(x: np.ndarray) -> np.ndarray:  # Piper's own edge silence would lengthen the pauses
+        loud = np.nonzero(np.abs(x) > 0.02)[0]
+        return x[loud[0]:loud[-1] + 1]
+
+    order = list(range(len(spoken))) + list(range(6))  # > 36 s once the edge silence is gone
+    audio = np.concatenate([np.concatenate([trimmed(spoken[i]), pause]) for i in order])
     assert len(audio) / rate > 36
     res = await stream(f"{live.ws}/v1/asr", audio, rate=rate, chunk_ms=250, pace=None, interim=False)
     assert res.close_code == 1000
@@ -222,7 +228,7 @@ async def test_speech_longer_than_whisper_window_is_cut(live, piper_backend, spo
     assert len(finals) >= 2
     assert all(a["end_ms"] <= b["start_ms"] for a, b in zip(finals, finals[1:]))  # consecutive pieces
     assert all(f["end_ms"] - f["start_ms"] <= 30000 for f in finals)
-    wer = jiwer.wer(norm(" ".join(SENTENCES)), norm(" ".join(f["text"] for f in finals)))
+    wer = jiwer.wer(norm(" ".join(SENTENCES[i] for i in order)), norm(" ".join(f["text"] for f in finals)))
     assert wer <= 0.15, (wer, [f["text"] for f in finals])
 
 
