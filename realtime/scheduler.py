@@ -262,6 +262,15 @@ class Scheduler:
 
     def start(self) -> None:
         if not self.started:
+            cpu_workers = sum(w.device == "cpu" for w in self.workers.values())
+            if cpu_workers > 1:
+                # Each worker thread runs torch ops; with every op using all cores, two workers
+                # oversubscribe the CPU and both slow down. Split the cores between them.
+                import os
+
+                import torch
+
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
             for w in self.workers.values():
                 w.start()
             self.started = True

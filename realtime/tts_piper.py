@@ -24,6 +24,7 @@ from realtime.tts import TTSBackend, TTSJob
 log = logging.getLogger("realtime.piper")
 
 FIRST_WINDOW = 8  # latent frames (256 samples each): ~93 ms at 22.05 kHz
+MIN_WINDOW = 32  # ~370 ms: context overhead (2 x 11 frames) stays under 70 %
 MAX_WINDOW = 64  # ~740 ms
 
 
@@ -104,9 +105,12 @@ class PiperVocodeLane(Lane):
             # A window may hold as much audio as the client already has buffered: at RTF < 1 it is
             # then ready before the buffer runs dry. Each window costs 2*context extra frames, so
             # bigger is cheaper per sample; the first one is small for a quick first chunk.
-            # Sizes are powers of two so windows of different streams batch together.
+            # Sizes are powers of two so windows of different streams batch together. Only a
+            # stream's first windows are small (each must be ready before the one before it has
+            # played); later small windows would spend most of their time on context
+            # (2 x 11 frames), which under load starves everyone.
             buffered = int(job.ahead_s(now) * self.b.native_rate / self.b.voice.hop)
-            size = FIRST_WINDOW
+            size = min(MIN_WINDOW, FIRST_WINDOW << st.windows)  # 8, 16, then at least 32
             while size * 2 <= min(MAX_WINDOW, buffered):
                 size *= 2
             end = min(utt.frames, utt.next_frame + size)
