@@ -169,6 +169,64 @@ async def test_capture_worklet_resamples_like_reference(live, in_rate, out_rate)
     assert snr > 35, snr
 
 
+PLAYER_SCRIPT = """(async () => {
+  const { Player } = await import('./static/common.js');
+  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+  const stats = {};
+  const p = await Player.create(24000, stats);
+  const ev = [];
+  p.on((m) => { if (m.type !== 'stats') ev.push(m.type); });
+  const chunk = (ms) => new Int16Array(24 * ms).fill(1000).buffer;
+  const out = {};
+  p.begin(1);
+  p.push(chunk(50), 1); // under the 100 ms prebuffer: must not start
+  await sleep(400);
+  out.beforePrebuffer = { played: stats.samplesPlayed || 0, events: ev.slice() };
+  p.push(chunk(300), 1); // 350 ms buffered: plays, then runs dry mid-response
+  await sleep(1000);
+  out.afterGap = { underruns: stats.underruns, events: ev.slice() };
+  p.push(chunk(200), 1); // refilled past the prebuffer: resumes
+  p.end();
+  await sleep(700);
+  out.first = { ...stats, events: ev.slice() };
+  await sleep(300); // silence between responses is not an underrun
+  p.begin(2);
+  p.push(chunk(150), 2);
+  p.end();
+  await sleep(500);
+  out.second = { ...stats };
+  p.begin(3);
+  p.push(chunk(2000), 3);
+  await sleep(500);
+  out.cleared = await p.clear(); // barge-in
+  await sleep(300);
+  out.third = { ...stats, events: ev.slice() };
+  return out;
+})()"""
+
+
+async def test_jitter_player_prebuffer_underruns_and_clear(live) -> None:  # noqa: ANN001
+    """The playback worklet in a live 24 kHz AudioContext: it waits for 100 ms before starting,
+    counts a buffer running dry mid-response as one underrun (and silence between responses as
+    none), plays every sample, and on clear stops at once reporting exactly what it played."""
+    async with Browser() as browser:
+        page = await open_page(browser, f"{live.http}/")
+        r = await page.eval(PLAYER_SCRIPT)
+    assert r["beforePrebuffer"] == {"played": 0, "events": []}, r["beforePrebuffer"]
+    assert r["afterGap"]["underruns"] == 1 and r["afterGap"]["events"] == ["started", "underrun"], r["afterGap"]
+    first = r["first"]
+    assert first["events"] == ["started", "underrun", "drained"], first
+    assert first["samplesPlayed"] == 24 * 550 and first["state"] == "idle", first
+    assert 300 < first["underrunMs"] < 1200, first  # the gap, until the refill arrived
+    second = r["second"]
+    assert second["underruns"] == 1 and second["samplesPlayed"] == 24 * 700, second
+    third, cleared = r["third"], r["cleared"]
+    assert cleared["item"] == 3 and 100 < cleared["playedMs"] < 1000, cleared
+    assert third["samplesPlayed"] == 24 * 700 + round(cleared["playedMs"] * 24), (third, cleared)
+    assert third["droppedSamples"] == 24 * 2000 - round(cleared["playedMs"] * 24), third
+    assert third["state"] == "idle" and third["underruns"] == 1 and third["events"][-1] == "cleared", third
+
+
 async def test_agent_page_end_to_end(piper, tmp_path) -> None:  # noqa: ANN001
     """Voice agent tab against /v1/realtime (realtime.agent_service, OpenAI Realtime events): the
     fake microphone's sentence is transcribed, the agent replies, the reply audio plays with no
