@@ -121,6 +121,9 @@ class Browser:
         self.profile = tempfile.TemporaryDirectory(prefix="rt-chromium-")
 
     async def __aenter__(self) -> "Browser":
+        # No skip without a browser: these tests are the browser client's only check.
+        if not Path(CHROMIUM).exists():
+            raise RuntimeError(f"{CHROMIUM} not found: apt-get update && apt-get install -y chromium")
         flags = FLAGS + [f"--user-data-dir={self.profile.name}", "--remote-debugging-port=0"]
         if self.fake_audio is not None:
             # Chromium loops the file unless the path ends in %noloop; after the end it captures silence.

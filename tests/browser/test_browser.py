@@ -13,7 +13,6 @@ import base64
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import pytest
 import soundfile as sf
 from liveserver import serve
 
-from chromium_cdp import CHROMIUM, Browser, Page
+from chromium_cdp import Browser, Page
 from realtime.codecs.resample import resample
 from realtime.config import ServerConfig
 from realtime.server import create_app, default_services
@@ -29,8 +28,6 @@ from realtime.server import create_app, default_services
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "arctic_a0009.wav"
 KEY = "browser-test-key"
 
-pytestmark = pytest.mark.skipif(shutil.which("chromium") is None and not Path(CHROMIUM).exists(),
-                                reason="needs the Debian chromium package (apt-get install chromium)")
 
 
 def shot_path(tmp_path: Path, name: str) -> Path:
