@@ -32,6 +32,13 @@ MAX_WINDOW = 64  # ~740 ms
 class Utterance:
     z: torch.Tensor  # [1, C, F] on the codec device
     next_frame: int = 0
+    ready: torch.cuda.Event | None = None  # CUDA: z is complete once this event has fired
+
+    def wait(self) -> None:
+        """Make the codec worker's stream wait for the generator's stream (no host sync)."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.z.device).wait_event(self.ready)
+            self.ready = None
 
     @property
     def frames(self) -> int:
@@ -115,6 +122,8 @@ class PiperVocodeLane(Lane):
                 size *= 2
             end = min(utt.frames, utt.next_frame + size)
             items.append((job, utt, utt.next_frame, end))
+        for _, utt, _, _ in items:
+            utt.wait()
         pcms = self.b.vocode_batch([(u.z, s, e) for _, u, s, e in items])
         share = (time.perf_counter() - t0) / len(items)
         for (job, utt, start, end), pcm in zip(items, pcms, strict=True):
@@ -175,7 +184,12 @@ class PiperBackend(TTSBackend):
             x = torch.tensor([ids], dtype=torch.long, device=self.voice.device)
             z = self.voice.generate(x, length_scale=self.voice.config.length_scale / params.speed,
                                     generator=generator)
-            out.append(Utterance(z.to(self.codec_device, non_blocking=True)))
+            z = z.to(self.codec_device, non_blocking=True)
+            ready = None
+            if z.is_cuda:  # the codec lane runs on another CUDA stream: hand over with an event
+                ready = torch.cuda.Event()
+                ready.record()
+            out.append(Utterance(z, ready=ready))
         return out
 
     def vocode_batch(self, items: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
