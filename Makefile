@@ -9,7 +9,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: serve test install install-dev clean
+.PHONY: serve test install install-dev browser clean
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +28,14 @@ $(VENV)/.dev: $(VENV)/.base
 install: $(VENV)/.base
 install-dev: $(VENV)/.dev
 
+# Real headless Chromium for the browser-client tests (Debian's package; no browser download).
+browser:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
+
 serve: install
 	$(VENV)/bin/realtime serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install-dev
+test: install-dev browser
 	$(PY) -m pytest -q -m "not gpu" $(ARGS)
 
 clean:
