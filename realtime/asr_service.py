@@ -49,6 +49,7 @@ from realtime.protocol import messages as m
 from realtime.protocol.asr import ASRParams, ASRProtocol, Audio, Finalize, Start, Stop, parse_start
 from realtime.scheduler import Job, JobState, Lane, OutputChannel, Priority, Scheduler
 from realtime.service import Service
+from realtime.sessions import StreamSession
 
 if TYPE_CHECKING:
     from realtime.engines.vad import SileroVad, VadEvent
@@ -659,8 +660,10 @@ def decode_audio_file(data: bytes, max_s: float) -> np.ndarray:
     return mono if rate == RATE else resample(mono, int(rate), RATE)
 
 
-class ASRSession:
+class ASRSession(StreamSession):
     """One /v1/asr connection: frames in, protocol events, job queues, results out."""
+
+    kind = "asr"
 
     def __init__(self, app: "AppState", conn: "Connection", service: ASRService) -> None:
         self.app = app
@@ -671,25 +674,6 @@ class ASRSession:
         self.resampler: StreamResampler | None = None
         self.id = uuid.uuid4().hex[:16]
         self.sender: asyncio.Task[None] | None = None
-
-    async def run(self) -> None:
-        try:
-            await self._receive_loop()
-        except RealtimeError as exc:
-            self.proto.fail()
-            self.app.metrics.errors.inc()
-            await self.conn.fail(exc)
-        except Exception:
-            log.exception("asr session %s crashed", self.id)
-            self.proto.fail()
-            await self.conn.fail(InternalError("internal error"))
-        finally:
-            if self.job is not None and self.job.active:
-                self.app.scheduler.cancel(self.job)
-            if self.sender is not None:
-                if not self.sender.done():
-                    self.sender.cancel()
-                await asyncio.gather(self.sender, return_exceptions=True)
 
     async def _receive_loop(self) -> None:
         while True:

@@ -49,6 +49,7 @@ from realtime.protocol import image as proto
 from realtime.protocol import messages as m
 from realtime.scheduler import BACKGROUND_SLACK_S, Job, JobState, Lane, OutputChannel, Priority
 from realtime.service import Service
+from realtime.sessions import StreamSession
 
 if TYPE_CHECKING:
     from realtime.config import ServerConfig
@@ -426,8 +427,10 @@ class ImageService(Service):
                                        "seed": j.seed} for j in jobs]})
 
 
-class ImageSession:
+class ImageSession(StreamSession):
     """One /v1/image (or /v1/video) connection: one request, previews, final, done."""
+
+    kind = "image"
 
     def __init__(self, app: "AppState", conn: "Connection", svc: ImageService, kind: str = "image") -> None:
         self.app = app
@@ -439,25 +442,6 @@ class ImageSession:
         self.job: ImageJob | None = None
         self.id = uuid.uuid4().hex[:16]
         self.sender: asyncio.Task[None] | None = None
-
-    async def run(self) -> None:
-        try:
-            await self._receive_loop()
-        except RealtimeError as exc:
-            self.proto.fail()
-            self.app.metrics.errors.inc()
-            await self.conn.fail(exc)
-        except Exception:
-            log.exception("image session %s crashed", self.id)
-            self.proto.fail()
-            await self.conn.fail(InternalError("internal error"))
-        finally:
-            if self.job is not None and self.job.active:
-                self.app.scheduler.cancel(self.job)
-            if self.sender is not None:
-                if not self.sender.done():
-                    self.sender.cancel()
-                await asyncio.gather(self.sender, return_exceptions=True)
 
     async def _receive_loop(self) -> None:
         while True:

@@ -78,8 +78,50 @@ class Connection:
         await self.close(exc.close_code, exc.code)
 
 
-class TTSSession:
+class StreamSession:
+    """The lifecycle every one-job WebSocket session shares (/v1/tts, /v1/asr, /v1/image).
+
+    Subclasses set ``app``, ``conn``, ``proto`` (a state machine with ``fail()``), ``job``,
+    ``sender`` and ``id``, and implement ``_receive_loop``. ``run`` maps errors to an ``error``
+    message and close code (never a traceback) and, however the session ends, cancels the job and
+    its send task so a vanished client frees its scheduler slot at once.
+    """
+
+    kind = "stream"
+    app: "AppState"
+    conn: "Connection"
+    proto: Any
+    job: Any = None
+    sender: asyncio.Task[None] | None = None
+    id: str = ""
+
+    async def _receive_loop(self) -> None:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        try:
+            await self._receive_loop()
+        except RealtimeError as exc:
+            self.proto.fail()
+            self.app.metrics.errors.inc()
+            await self.conn.fail(exc)
+        except Exception:
+            log.exception("%s session %s crashed", self.kind, self.id)
+            self.proto.fail()
+            await self.conn.fail(InternalError("internal error"))
+        finally:
+            if self.job is not None and self.job.active:
+                self.app.scheduler.cancel(self.job)
+            if self.sender is not None:
+                if not self.sender.done():
+                    self.sender.cancel()
+                await asyncio.gather(self.sender, return_exceptions=True)
+
+
+class TTSSession(StreamSession):
     """One /v1/tts connection."""
+
+    kind = "tts"
 
     def __init__(self, app: "AppState", conn: Connection) -> None:
         self.app = app
@@ -90,25 +132,6 @@ class TTSSession:
         self.tracker = GapTracker()
         self.sender: asyncio.Task[None] | None = None
         self.first_sent: float | None = None
-
-    async def run(self) -> None:
-        try:
-            await self._receive_loop()
-        except RealtimeError as exc:
-            self.proto.fail()
-            self.app.metrics.errors.inc()
-            await self.conn.fail(exc)
-        except Exception:
-            log.exception("tts session %s crashed", self.id)
-            self.proto.fail()
-            await self.conn.fail(InternalError("internal error"))
-        finally:
-            if self.job is not None and self.job.active:
-                self.app.scheduler.cancel(self.job)
-            if self.sender is not None:
-                if not self.sender.done():
-                    self.sender.cancel()
-                await asyncio.gather(self.sender, return_exceptions=True)
 
     async def _receive_loop(self) -> None:
         while True:
