@@ -152,3 +152,20 @@ def test_cli_say_local_with_csm_saves_codes(csm_live, tmp_path) -> None:  # noqa
     audio, rate = sf.read(out)
     assert rate == 24000 and saved.ndim == 2 and saved.shape[1] == 4
     assert len(audio) == saved.shape[0] * backend.mimi.frame_size
+
+
+async def test_openai_speech_endpoint_with_csm(csm_live) -> None:  # noqa: ANN001
+    import httpx
+
+    live, backend = csm_live
+    body = {"model": "csm", "input": "hello world.", "voice": "alloy", "response_format": "pcm"}
+    async with httpx.AsyncClient(base_url=live.http, timeout=120) as client:
+        got = b""
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
+            async for part in r.aiter_bytes():
+                got += part
+        frames = max(25, int(len("hello world.") * 2.0))  # the utterance cap (random weights rarely stop)
+        assert 0 < len(got) // 2 <= frames * backend.mimi.frame_size  # 24 kHz s16le, at most the cap
+        r = await client.post("/v1/audio/speech", json={**body, "speed": 1.5})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
