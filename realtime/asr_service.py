@@ -736,12 +736,7 @@ class ASRSession(StreamSession):
                 await self.conn.send(item)
                 if self.conn.closed:
                     return
-            if job.state is JobState.FAILED:
-                self.app.metrics.errors.inc()
-                err = job.error if isinstance(job.error, RealtimeError) else InternalError("recognition failed")
-                await self.conn.fail(err)
-                return
-            if job.state is JobState.CANCELLED:
+            if await self._job_over("recognition failed"):
                 return
 
 

@@ -495,12 +495,7 @@ class ImageSession(StreamSession):
                     return
                 if self.conn.closed:
                     return
-            if job.state is JobState.FAILED:
-                self.app.metrics.errors.inc()
-                err = job.error if isinstance(job.error, RealtimeError) else InternalError("image generation failed")
-                await self.conn.fail(err)
-                return
-            if job.state is JobState.CANCELLED:
+            if await self._job_over("image generation failed"):
                 return
 
 

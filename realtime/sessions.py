@@ -98,6 +98,17 @@ class StreamSession:
     async def _receive_loop(self) -> None:
         raise NotImplementedError
 
+    async def _job_over(self, failure: str) -> bool:
+        """After a batch of output: True when the job failed (the client is told why, without
+        internals) or was cancelled, so the send loop should end."""
+        job = self.job
+        if job.state is JobState.FAILED:
+            self.app.metrics.errors.inc()
+            err = job.error if isinstance(job.error, RealtimeError) else InternalError(failure)
+            await self.conn.fail(err)
+            return True
+        return job.state is JobState.CANCELLED
+
     async def run(self) -> None:
         try:
             await self._receive_loop()
@@ -213,12 +224,7 @@ class TTSSession(StreamSession):
                 self.tracker.on_chunk(now, item.duration_ms / 1000.0)
                 if self.conn.closed:
                     return
-            if job.state is JobState.FAILED:
-                self.app.metrics.errors.inc()
-                err = job.error if isinstance(job.error, RealtimeError) else InternalError("speech generation failed")
-                await self.conn.fail(err)
-                return
-            if job.state is JobState.CANCELLED:
+            if await self._job_over("speech generation failed"):
                 return
 
     def _stats(self, cancelled: bool = False) -> dict[str, Any]:
