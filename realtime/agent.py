@@ -431,11 +431,7 @@ class AgentSession:
 
         try:
             while True:
-                await wake.wait()
-                wake.clear()
-                items = job.output.take()
-                if items:
-                    self.scheduler.wake()
+                items = await job.output.drain(self.scheduler.wake)
                 for item in items:
                     if item is END:
                         return
@@ -631,11 +627,7 @@ class AgentSession:
 
             async def pump_audio() -> None:
                 while True:
-                    await wake.wait()
-                    wake.clear()
-                    items = tts_job.output.take()
-                    if items:
-                        self.scheduler.wake()
+                    items = await tts_job.output.drain(self.scheduler.wake)
                     for item in items:
                         if item is END:
                             return

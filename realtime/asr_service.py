@@ -620,11 +620,7 @@ class ASRService(Service):
         finals: list[dict[str, Any]] = []
         try:
             while True:
-                await wake.wait()
-                wake.clear()
-                items = job.output.take()
-                if items:
-                    st.scheduler.wake()
+                items = await job.output.drain(st.scheduler.wake)
                 if any(i is END for i in items) or not job.active:
                     finals += [i for i in items if isinstance(i, dict) and i["type"] == "final"]
                     break
@@ -722,11 +718,7 @@ class ASRSession(StreamSession):
         job = self.job
         assert job is not None
         while True:
-            await self.wake.wait()
-            self.wake.clear()
-            items = job.output.take()
-            if items:
-                self.app.scheduler.wake()  # room in the channel: the lanes may continue
+            items = await job.output.drain(self.app.scheduler.wake)  # room in the channel: lanes go on
             for item in items:
                 if item is END:
                     self.proto.finished()

@@ -478,11 +478,7 @@ class ImageSession(StreamSession):
         job = self.job
         assert job is not None
         while True:
-            await self.wake.wait()
-            self.wake.clear()
-            items = job.output.take()
-            if items:
-                self.app.scheduler.wake()  # room freed: the lane may step this request again
+            items = await job.output.drain(self.app.scheduler.wake)  # room freed: the lane may step again
             for item in items:
                 if isinstance(item, Preview):
                     await self.conn.send(proto.preview(item.step, item.of, item.data, item.ms))

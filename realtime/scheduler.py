@@ -378,3 +378,14 @@ class OutputChannel:
         with self._lock:
             items, self.items = self.items, []
         return items
+
+    async def drain(self, on_take: Callable[[], None] | None = None) -> list[object]:
+        """Await the bound event, then take every item. ``on_take`` runs when something was taken
+        (the scheduler's wake: a producer held back by a full channel may step again)."""
+        assert self._event is not None, "bind() the channel to an event loop first"
+        await self._event.wait()
+        self._event.clear()
+        items = self.take()
+        if items and on_take is not None:
+            on_take()
+        return items

@@ -198,11 +198,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
                 if fmt_name == "wav":
                     yield _wav_header(params.sample_rate)
                 while True:
-                    await wake.wait()
-                    wake.clear()
-                    items = job.output.take()
-                    if items:
-                        state.scheduler.wake()
+                    items = await job.output.drain(state.scheduler.wake)
                     for item in items:
                         if item is END:
                             return

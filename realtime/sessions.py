@@ -200,11 +200,7 @@ class TTSSession(StreamSession):
         job = self.job
         assert job is not None
         while True:
-            await self.wake.wait()
-            self.wake.clear()
-            items = job.output.take()
-            if items:
-                self.app.scheduler.wake()  # room freed in the channel: producers may continue
+            items = await job.output.drain(self.app.scheduler.wake)
             for item in items:
                 if item is END:
                     self.proto.finished()
