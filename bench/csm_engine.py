@@ -96,9 +96,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "csm_engine.json"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--variants", nargs="+", default=["eager", "graphed", "graphed_kernels", "graphed_kernels_tsampler"],
-                    help="eager | graphed | graphed_kernels (Triton RMSNorm/rotary/decode attention) | "
-                         "graphed_kernels_tsampler (+ fused Triton sampler)")
+    ap.add_argument("--variants", nargs="+", default=["eager", "graphed", "graphed_kernels"],
+                    help="eager | graphed (plain PyTorch ops) | graphed_kernels (the fast path: Triton RMSNorm+residual, "
+                         "rotary, decode attention, fused sampler; fused q|k|v and gate|up GEMMs)")
     args = ap.parse_args()
     folder = Path(args.folder)
     build(folder)
@@ -141,17 +141,12 @@ def main() -> int:
         del hf
         torch.cuda.empty_cache()
 
-    import realtime.engines.csm as csm_mod
     from realtime.engines.transformer import use_kernels
-    from realtime.kernels.sampling import sample as triton_sample
 
-    torch_sample = csm_mod.sample
     n_slots = max(args.batches)
     for tag in args.variants:
         graphs = tag != "eager"
-        use_kernels("kernels" in tag)
-        csm_mod.sample = ((lambda lg, t, k, p, s, st: triton_sample(lg, t, k, s, st)) if "tsampler" in tag
-                          else torch_sample)
+        use_kernels("kernels" in tag)  # before loading: the fast path also fuses the projections at load
         log(f"ours ({tag}): loading + capture")
         t0 = time.perf_counter()
         b = CSMBackend(str(folder), "cuda", "cuda", torch.bfloat16, n_slots=n_slots, max_seq_len=1024,
@@ -181,8 +176,7 @@ def main() -> int:
             log(f"variant {tag} failed: {exc!r}")
         b = None  # free the caches before the next variant
         torch.cuda.empty_cache()
-    use_kernels(False)
-    csm_mod.sample = torch_sample
+    use_kernels(True)
     res["gpu_mem_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))

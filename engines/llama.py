@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from realtime.engines.sampling import sample
 from realtime.engines.tokenizer import TextTokenizer, gguf_metadata
-from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, rope_frequencies
+from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, rope_frequencies, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, ProtocolError, UnsupportedError
 
 __all__ = ["TextModel", "default_gguf_path", "DEFAULT_GGUF_PACKAGE", "DEFAULT_GGUF_FILE"]
@@ -128,6 +128,8 @@ class TextModel(nn.Module):
                 if head is None or tuple(head.shape) != (vocab, cfg.dim):
                     raise ModelFormatError(f"lm_head.weight missing or not [{vocab}, {cfg.dim}]")
                 model.lm_head.weight.copy_(head)
+        if model.embed_tokens.weight.device.type == "cuda" and use_kernels():  # fast path: fused GEMMs
+            model.transformer.fuse_projections()
         return model.eval().requires_grad_(False)
 
     @classmethod

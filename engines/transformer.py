@@ -185,10 +185,11 @@ class KVCache:
 
 
 def use_kernels(enabled: bool | None = None) -> bool:
-    """The Triton fast path (fused RMSNorm, rotary, decode attention) on CUDA; off = plain PyTorch.
+    """The Triton fast path (fused RMSNorm and residual-add + RMSNorm, rotary, in-place decode
+    attention; the CSM engine adds the fused sampler) on CUDA; off = plain PyTorch.
 
-    Set with REALTIME_KERNELS=1 (or call ``use_kernels(True)``). The kernels only run on CUDA
-    tensors; on the CPU the PyTorch code below is used either way.
+    On by default; REALTIME_KERNELS=0 (or ``use_kernels(False)``) turns it off. The kernels only run
+    on CUDA tensors; on the CPU the PyTorch code below is used either way.
     """
     global _KERNELS
     if enabled is not None:
@@ -196,7 +197,7 @@ def use_kernels(enabled: bool | None = None) -> bool:
     return _KERNELS
 
 
-_KERNELS = os.environ.get("REALTIME_KERNELS", "0") == "1"
+_KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -216,6 +217,18 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_eps)
             self.k_norm = RMSNorm(d, cfg.rms_eps)
+        # Non-persistent buffers (None until ``fuse``): moved by .to(), absent from state dicts.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        """One [q|k|v] weight; the three projections' parameters become views into it."""
+        if self.qkv_weight is not None:
+            return
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_params([p.weight for p in projs])
+        if self.cfg.attention_bias:
+            self.qkv_bias = _fuse_params([p.bias for p in projs])
 
     def forward(
         self,
@@ -231,9 +244,14 @@ class Attention(nn.Module):
         """x [B, T, dim]; cos/sin [B, 1, T, D]; mask [B, 1, T, S] bool or None (causal) -> [B, T, dim]."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, cfg.n_heads, cfg.head_dim)
-        k = self.k_proj(x).view(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+        if self.qkv_weight is not None:  # one GEMM for q|k|v (see Transformer.fuse_projections)
+            nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, cfg.n_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -275,9 +293,37 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.dim, bias=cfg.mlp_bias)
+        self.mlp_bias = cfg.mlp_bias
+        self.register_buffer("gate_up_weight", None, persistent=False)
+        self.register_buffer("gate_up_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        """One [gate|up] weight; the two projections' parameters become views into it."""
+        if self.gate_up_weight is not None:
+            return
+        projs = (self.gate_proj, self.up_proj)
+        self.gate_up_weight = _fuse_params([p.weight for p in projs])
+        if self.mlp_bias:
+            self.gate_up_bias = _fuse_params([p.bias for p in projs])
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_params(params: list[nn.Parameter]) -> Tensor:
+    """Concatenate parameters along dim 0 into one tensor and re-point each parameter at its slice,
+    so the fused tensor costs no extra memory and later in-place loads (``copy_``) reach both."""
+    with torch.no_grad():
+        fused = torch.cat([p.detach() for p in params], dim=0)
+        at = 0
+        for p in params:
+            n = p.shape[0]
+            p.data = fused[at:at + n]
+            at += n
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -329,11 +375,39 @@ class Transformer(nn.Module):
             if slots is None:
                 raise ConfigError("Transformer.forward: a cache needs slots")
             mask = (cache.key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        if _KERNELS and x.is_cuda:
+            return self._layers_fused_norms(x, cos, sin, mask, cache, slots, pos)
         for i, layer in enumerate(self.layers):
             h = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, i, cache, slots, pos)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
+
+    def _layers_fused_norms(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                            cache: KVCache | None, slots: Tensor | None, pos: Tensor) -> Tensor:
+        """The layer loop with each residual add fused into the RMSNorm that follows it (Triton):
+        the same arithmetic as the plain loop (the sum is rounded to the residual dtype first)."""
+        from realtime.kernels.rmsnorm import add_rmsnorm, rmsnorm
+
+        eps = self.cfg.rms_eps
+        x = x.contiguous()
+        h = rmsnorm(x, self.layers[0].input_layernorm.weight, eps) if len(self.layers) else x
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn(h, cos, sin, mask, i, cache, slots, pos)
+            h, x = add_rmsnorm(a.contiguous(), x, layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp(h)
+            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else self.norm.weight
+            h, x = add_rmsnorm(m.contiguous(), x, nxt, eps)
+        return h if len(self.layers) else self.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Fuse q|k|v and gate|up into one GEMM each (half the GEMM launches of a decode step).
+        Call after the weights are loaded and placed; the parameters stay as views (state_dict and
+        in-place reloads still work). A later ``.to()`` re-materialises them separately (correct,
+        but the memory is then doubled): fuse last."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def load_hf_state_dict(self, sd: Mapping[str, Tensor], prefix: str) -> None:
         """Load from an HF state dict whose stack lives under ``prefix`` (e.g. "model.").

@@ -59,6 +59,28 @@ def _ours(cfg_hf, model_hf) -> Transformer:
 
 
 @pytest.mark.parametrize("kind", ["llama3", "llama_bias", "qwen3"])
+def test_fused_projections_equal_separate(kind: str) -> None:
+    """fuse_projections (one q|k|v GEMM, one gate|up GEMM) gives the same outputs, keeps the state dict's
+    keys, and costs no copy: a later in-place reload reaches the fused weights."""
+    cfg_hf, model_hf = _hf_model(kind)
+    ours = _ours(cfg_hf, model_hf)
+    x = torch.randn(2, 7, cfg_hf.hidden_size)
+    pos = torch.arange(7)[None].expand(2, 7)
+    with torch.no_grad():
+        ref = ours(x, pos)
+        keys = sorted(ours.state_dict())
+        ours.fuse_projections()
+        attn = ours.layers[0].self_attn
+        assert attn.qkv_weight is not None and attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+        assert sorted(ours.state_dict()) == keys
+        torch.testing.assert_close(ours(x, pos), ref, rtol=1e-5, atol=1e-5)
+        _, other = _hf_model(kind, seed=1)
+        ours.load_hf_state_dict(other.state_dict(), prefix="")  # writes through the views
+        ref2 = _ours(cfg_hf, other)(x, pos)
+        torch.testing.assert_close(ours(x, pos), ref2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "llama_bias", "qwen3"])
 def test_matches_hf_stack(kind: str) -> None:
     cfg_hf, hf = _hf_model(kind)
     ours = _ours(cfg_hf, hf)

@@ -12,6 +12,7 @@ CFG = TransformerConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=3
 
 
 def _run(model: Transformer, x: torch.Tensor, kernels: bool) -> torch.Tensor:
+    before = use_kernels()
     use_kernels(kernels)
     try:
         cache = KVCache(CFG, n_slots=4, max_seq_len=64, device=x.device, dtype=x.dtype)
@@ -23,7 +24,7 @@ def _run(model: Transformer, x: torch.Tensor, kernels: bool) -> torch.Tensor:
             outs.append(model(x[:, i:i + 1], torch.full((b, 1), i, device=x.device), cache, slots))
         return torch.cat(outs, dim=1).float()
     finally:
-        use_kernels(False)
+        use_kernels(before)
 
 
 def test_switch_is_inert_on_the_cpu() -> None:
@@ -42,4 +43,17 @@ def test_kernels_equal_pytorch_on_cuda(dtype: torch.dtype, tol: float) -> None:
     x = torch.randn(3, 14, CFG.dim, device="cuda", dtype=dtype)
     with torch.no_grad():
         ref, fast = _run(model, x, False), _run(model, x, True)
+    assert (fast - ref).norm() / ref.norm() < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_kernels_and_fused_projections_equal_pytorch_on_cuda(dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to("cuda", dtype)
+    x = torch.randn(3, 14, CFG.dim, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref = _run(model, x, False)
+        model.fuse_projections()
+        fast = _run(model, x, True)
     assert (fast - ref).norm() / ref.norm() < tol
