@@ -195,8 +195,9 @@ class BatchDecoder:
 
     def _reset_scratch(self) -> None:
         # Padding rows advance the scratch slot's position; pin it at 0 so it never runs off the cache.
-        self.pos[self.scratch] = 0
-        self.step_no[self.scratch] = 0
+        # (a slice's zero_: a Python-scalar setitem would copy a CPU tensor, which graph capture refuses)
+        self.pos[self.scratch:].zero_()
+        self.step_no[self.scratch:].zero_()
 
     @torch.inference_mode()
     def capture_all(self) -> None:
