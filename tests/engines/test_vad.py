@@ -110,7 +110,8 @@ def test_batched_streams_equal_single_and_reset(vad):
         pb.append(p[1])
     single = vad.new_state()
     ref_a = vad.feed_many([single], [speech])[0][0]
-    np.testing.assert_allclose(np.concatenate(pa), ref_a, atol=1e-6)
+    # fp32 GEMMs of batch 2 vs batch 1 may block differently (thread count, load): a few 1e-6 apart
+    np.testing.assert_allclose(np.concatenate(pa), ref_a, atol=2e-5)
     single.reset()
     ref_b = vad.feed_many([single], [noise])[0][0]
-    np.testing.assert_allclose(np.concatenate(pb), ref_b, atol=1e-6)
+    np.testing.assert_allclose(np.concatenate(pb), ref_b, atol=2e-5)
