@@ -105,6 +105,20 @@ def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, 
 
 
 @torch.inference_mode()
+def ours_teacher_forced(model, ids: list[int], split: int) -> torch.Tensor:  # noqa: ANN001
+    """Our logits [T - split + 1, V] predicting after ids[:split], ids[:split+1], ..., ids[:T]: a
+    cached prefill of ids[:split], then one decode step per remaining true token (the served path)."""
+    dev = model.device
+    cache = model.new_cache(1, len(ids) + 8)
+    out = [model.prefill(cache, 0, ids[:split]).float().cpu()]
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
+    for i in range(split, len(ids)):
+        tok = torch.tensor([ids[i]], device=dev)
+        out.append(model.decode_step(cache, slot, tok, torch.tensor([i], device=dev))[0].float().cpu())
+    return torch.stack(out)
+
+
+@torch.inference_mode()
 def hf_tokens_per_s(hf, batch: int, prompt: int, steps: int, context: int) -> tuple[float, list[int]]:  # noqa: ANN001
     from transformers import StaticCache
 
@@ -204,9 +218,21 @@ def main() -> int:
                 log(f"ours {'graph' if graphs else 'eager'} batch {b}: {tps:.0f} tok/s")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        g = torch.Generator().manual_seed(2)
+        probe = torch.randint(0, ours.vocab_size, (args.prompt,), generator=g).tolist()
+        split = args.prompt // 2
+        ours_tf = ours_teacher_forced(ours, probe, split)
         del ours
         if not args.no_hf:
             hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+            # Parity with no divergence cascade: teacher-forced, the same true tokens into both.
+            with torch.inference_mode():
+                ref = hf(torch.tensor([probe], device=device)).logits[0, split - 1:].float().cpu()
+            rel = float((ours_tf - ref).norm() / ref.norm())
+            agree = float((ours_tf.argmax(-1) == ref.argmax(-1)).float().mean())
+            results["parity_vs_hf"] = {"positions": len(ref), "logits_rel_l2": rel, "argmax_agreement": agree}
+            log(f"parity vs HF (teacher-forced, {len(ref)} positions: prefill + decode steps): logits rel. L2 "
+                f"{rel:.2e}, argmax agreement {agree:.3f}")
             for b in batches:
                 tps, toks = hf_tokens_per_s(hf, b, args.prompt, steps, context)
                 results["rows"].append({"impl": "hf-static", "batch": b, "tokens_per_s": tps,
