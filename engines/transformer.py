@@ -266,7 +266,7 @@ class Attention(nn.Module):
         else:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if cache is not None and fast and t == 1:
+        if cache is not None and fast and t == 1 and 16 <= cfg.head_dim <= 256:  # the kernel's head dims
             from realtime.kernels.decode_attention import decode_attention
 
             cache.k[layer, slots[:, None], :, pos] = k.transpose(1, 2).to(cache.dtype)

@@ -287,19 +287,25 @@ def test_padding_rows_on_the_scratch_slot_change_nothing(live) -> None:  # noqa:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_step_equals_eager() -> None:
+def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
     """The CUDA-graphed step (padded to a bucket, static slot buffer) gives the eager step's tokens,
-    with streams joining and leaving between steps, greedy and sampled."""
+    with streams joining and leaving between steps, greedy and sampled. A random Llama saved with
+    save_pretrained (head dim 32: the decode-attention kernel's path), so the device needs no model package."""
     import torch
+    import transformers
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from realtime.engines.llama import TextModel
     from realtime.text_service import BatchDecoder
 
-    model = TextModel.from_pretrained(None, device="cuda", dtype=torch.float32)
-    tok = model.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template(p)) for p in PROMPTS]
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    model = TextModel.from_pretrained(tmp_path, device="cuda", dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (12, 30, 7, 19)]
     runs = []
     for graphs in (False, True):
         dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
