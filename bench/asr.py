@@ -1,8 +1,10 @@
 """Streaming ASR benchmark: final-after-end-of-speech latency and real-time factor per stream.
 
     python bench/asr.py                                   # tiny.en on the CPU, 1 and 4 streams
-    python bench/asr.py --device cuda --dtype float16     # on a GPU (faster-whisper on the same GPU)
+    python bench/asr.py --device cuda --dtype float16     # on a GPU (the reference on the same GPU)
     python bench/asr.py --streams 1 4 16 --utterances 6
+    python bench/asr.py --save-clips /tmp/clips           # write the default clips as WAVs and exit
+    python bench/asr.py --clips /tmp/clips --tts-model /path/to/csm   # no Piper voice needed
 
 Ours: a real uvicorn server in this process (ASRService on the one scheduler), real WebSocket
 clients streaming 16 kHz s16 in 20 ms chunks at real-time pace; each stream plays a sequence of
@@ -13,12 +15,26 @@ of an utterance's clip → the ``final`` for it received. This includes the VAD'
 received − moment the audio at the final's ``end_ms`` was sent). RTF per stream is the server's
 ``done.stats.rtf`` (share of worker time / audio time).
 
-Reference: faster-whisper (CTranslate2) on the same model.bin, beam 1, no timestamps, no VAD,
-measured in the same run on the same utterance clips: an utterance is transcribed whole the
-moment it ends (``--streams`` threads at once), so its latency is the decode time alone — a
-non-streaming lower bound with perfect endpointing. RTF per stream = decode time / audio time.
+Clips: ``--save-clips DIR`` computes the default clips (needs the Piper voice) and writes them as
+16 kHz PCM16 WAVs ``00.wav, 01.wav, ...`` into DIR, then exits; ``--clips DIR`` reads the first
+``--utterances`` WAVs of DIR (sorted by name; other rates are resampled to 16 kHz, several
+channels averaged) instead of synthesising, so a machine without the Piper voice can run the
+benchmark. The server under test also serves TTS (unused here): the Piper voice by default, or
+with ``--tts-model PATH`` a CSM checkpoint folder loaded by the server itself (eager, no CUDA
+graphs, so it starts fast), and then Piper is never imported.
 
-Prints a table and writes bench/results/asr.json.
+Reference (``--reference``, default ``auto``): faster-whisper on the same model.bin, beam 1, no
+timestamps, no VAD, when ``import faster_whisper`` works; otherwise (or with ``ctranslate2``)
+CTranslate2 directly, faster-whisper's own engine, called the way faster-whisper calls it: the
+log-mel of the utterance (our front end, on audio + 160 zero samples as faster-whisper does), its
+content frames zero-padded to 3000, the prompt [<|startoftranscript|>, <|notimestamps|>] (.en) or
+[sot, <|en|>, <|transcribe|>, <|notimestamps|>] (multilingual) and the same generate() options;
+only faster-whisper's temperature fallback is left out (greedy only). Both run on the same
+utterance clips in the same run: an utterance is transcribed whole the moment it ends
+(``--streams`` threads at once), so its latency is the decode time alone — a non-streaming lower
+bound with perfect endpointing. RTF per stream = decode time / audio time.
+
+Prints a table and writes bench/results/asr.json (with the reference used and its transcripts).
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ import platform
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -51,19 +68,47 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def clips(n: int) -> list[np.ndarray]:
+def read_wav(path: Path) -> np.ndarray:
+    """A WAV file -> float32 mono 16 kHz [N] (channels averaged, other rates resampled)."""
     import soundfile as sf
 
     from realtime.codecs.resample import resample
+
+    x, rate = sf.read(path, dtype="float32", always_2d=True)
+    x = x.mean(axis=1).astype(np.float32)
+    return x if rate == RATE else resample(x, rate, RATE).astype(np.float32)
+
+
+def clips(n: int) -> list[np.ndarray]:
+    """The default clips: the ARCTIC recording, then Piper sentences (needs the Piper voice)."""
+    from realtime.codecs.resample import resample
     from realtime.tts_piper import PiperBackend
 
-    arctic, rate = sf.read(ROOT / "tests" / "assets" / "arctic_a0009.wav", dtype="float32")
-    assert rate == RATE
-    voice = PiperBackend().voice
-    out = [arctic.astype(np.float32)]
-    for s in SENTENCES[: max(0, n - 1)]:
-        out.append(resample(voice.synthesize(s).astype(np.float32), voice.sample_rate, RATE))
+    out = [read_wav(ROOT / "tests" / "assets" / "arctic_a0009.wav")]
+    if n > 1:
+        voice = PiperBackend().voice
+        for s in SENTENCES[: n - 1]:
+            out.append(resample(voice.synthesize(s).astype(np.float32), voice.sample_rate, RATE))
     return out[:n]
+
+
+def load_clips(folder: Path, n: int) -> list[np.ndarray]:
+    """The first ``n`` WAVs of ``folder`` by name (fewer if it holds fewer)."""
+    files = sorted(folder.glob("*.wav"))
+    if not files:
+        raise ValueError(f"--clips {folder}: no .wav files")
+    if len(files) < n:
+        log(f"--clips {folder}: {len(files)} clips, fewer than --utterances {n}; using them all")
+    return [read_wav(f) for f in files[:n]]
+
+
+def save_clips(folder: Path, utts: list[np.ndarray]) -> None:
+    import soundfile as sf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, u in enumerate(utts):
+        sf.write(folder / f"{i:02d}.wav", np.clip(u, -1.0, 1.0), RATE, subtype="PCM_16")
+    log(f"wrote {len(utts)} clips ({sum(len(u) for u in utts) / RATE:.1f} s) to {folder}")
 
 
 async def one_stream(url: str, utts: list[np.ndarray], gap_s: float, offset_s: float) -> dict:
@@ -119,13 +164,21 @@ def bench_ours(args: argparse.Namespace, utts: list[np.ndarray]) -> list[dict]:
     from realtime.asr_service import ASRService
     from realtime.config import ServerConfig
     from realtime.server import create_app
-    from realtime.tts_piper import PiperBackend
 
     cfg = ServerConfig(generator_device=args.device, codec_device=args.device, dtype=args.dtype,
                        asr_model=args.model, max_streams=max(args.streams) + 8)
-    app = create_app(cfg, tts=PiperBackend(), services=[ASRService(cfg)])
+    if args.tts_model is None:
+        from realtime.tts_piper import PiperBackend
+
+        tts = PiperBackend()
+    else:  # the server loads the CSM folder itself (load_tts); eager, since TTS is idle here
+        cfg = replace(cfg, tts_model=args.tts_model, cuda_graphs=False)
+        tts = None
+    app = create_app(cfg, tts=tts, services=[ASRService(cfg)])
     rows = []
     with serve(app) as live:
+        args.server_tts = live.state.tts.name
+        log(f"server up (tts={args.server_tts})")
         for n in args.streams:
             log(f"ours: {n} stream(s)")
 
@@ -147,29 +200,108 @@ def bench_ours(args: argparse.Namespace, utts: list[np.ndarray]) -> list[dict]:
     return rows
 
 
-def bench_faster_whisper(args: argparse.Namespace, utts: list[np.ndarray]) -> list[dict]:
+class CT2Whisper:
+    """faster-whisper's engine called directly: CTranslate2 Whisper + our log-mel, the same
+    features, prompt and generate() options as ``WhisperModel.transcribe(beam_size=1,
+    without_timestamps=True, language="en", condition_on_previous_text=False)`` for one
+    window (utterances < 30 s), without the temperature fallback."""
+
+    def __init__(self, path: str, device: str, compute_type: str, inter_threads: int, intra_threads: int) -> None:
+        import ctranslate2
+        import torch
+        from tokenizers import Tokenizer
+
+        from realtime.engines.mel import LogMel, MelConfig
+
+        dev, _, idx = device.partition(":")
+        self.ct2 = ctranslate2
+        self.model = ctranslate2.models.Whisper(path, device=dev, device_index=int(idx or 0),
+                                                compute_type=compute_type, inter_threads=inter_threads,
+                                                intra_threads=intra_threads)
+        self.tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        self.cfg = MelConfig(n_mels=self.model.n_mels)
+        self.mel = LogMel(self.cfg)
+        self.torch = torch
+        tid = self.tok.token_to_id
+        self.eot = tid("<|endoftext|>")
+        sot = [tid("<|startoftranscript|>")]
+        if self.model.is_multilingual:
+            sot += [tid("<|en|>"), tid("<|transcribe|>")]
+        self.prompt = sot + [tid("<|notimestamps|>")]
+        assert None not in self.prompt and self.eot is not None, "tokenizer.json lacks Whisper's special tokens"
+
+    def features(self, audio: np.ndarray) -> np.ndarray:
+        """Audio [N] float32 16 kHz -> log-mel [1, n_mels, 3000], as faster-whisper builds it: the
+        mel of audio + one hop of zeros, its N // hop content frames, zeros (log-mel) after them."""
+        torch = self.torch
+        hop, frames = self.cfg.hop_length, self.cfg.n_frames
+        x = torch.from_numpy(np.pad(audio.astype(np.float32), (0, hop)))[None]
+        with torch.no_grad():
+            mel = self.mel(x)  # [1, M, N // hop + 1]
+        content = min(mel.shape[-1] - 1, frames)
+        mel = torch.nn.functional.pad(mel[..., :content], (0, frames - content))
+        return np.ascontiguousarray(mel.numpy())
+
+    def transcribe(self, audio: np.ndarray) -> str:
+        feats = self.ct2.StorageView.from_array(self.features(audio))
+        res = self.model.generate(feats, [self.prompt], beam_size=1, patience=1, length_penalty=1,
+                                  repetition_penalty=1, no_repeat_ngram_size=0, max_length=448,
+                                  return_scores=True, return_no_speech_prob=True, suppress_blank=True,
+                                  suppress_tokens=[-1], max_initial_timestamp_index=50)[0]
+        return self.tok.decode([t for t in res.sequences_ids[0] if t < self.eot]).strip()
+
+
+def pick_reference(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    try:
+        import faster_whisper  # noqa: F401
+    except ImportError:
+        return "ctranslate2"
+    return "faster-whisper"
+
+
+def reference_transcriber(kind: str, path: str, device: str, compute_type: str, n: int):  # noqa: ANN201
+    """A thread-safe ``audio [N] -> text`` for ``n`` concurrent callers."""
+    threads = 0 if device.startswith("cuda") else 2
+    if kind == "ctranslate2":
+        return CT2Whisper(path, device, compute_type, n, threads).transcribe
     from faster_whisper import WhisperModel
 
+    dev, _, idx = device.partition(":")
+    model = WhisperModel(path, device=dev, device_index=int(idx or 0), compute_type=compute_type,
+                         num_workers=n, cpu_threads=threads)
+
+    def transcribe(audio: np.ndarray) -> str:
+        segs, _ = model.transcribe(audio, beam_size=1, without_timestamps=True, language="en",
+                                   condition_on_previous_text=False, vad_filter=False)
+        return " ".join(s.text.strip() for s in segs)  # the generator decodes lazily
+
+    return transcribe
+
+
+REFERENCE_LABEL = {"faster-whisper": "faster-whisper (offline per utterance)",
+                   "ctranslate2": "ctranslate2 (faster-whisper's engine, offline per utterance)"}
+
+
+def bench_reference(args: argparse.Namespace, utts: list[np.ndarray]) -> list[dict]:
     from realtime.engines.whisper import default_model_dir
 
     path = args.model or str(default_model_dir())
-    ctype = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}[args.dtype]
-    dev = "cuda" if args.device.startswith("cuda") else "cpu"
+    dev = "cuda" + args.device[4:] if args.device.startswith("cuda") else "cpu"
     rows = []
     for n in args.streams:
-        log(f"faster-whisper: {n} stream(s)")
-        model = WhisperModel(path, device=dev, compute_type=ctype, num_workers=n,
-                             cpu_threads=0 if dev == "cuda" else 2)
-        model.transcribe(utts[0], beam_size=1, without_timestamps=True)  # warm-up
+        log(f"{args.reference}: {n} stream(s)")
+        transcribe = reference_transcriber(args.reference, path, dev, args.dtype, n)
+        transcribe(utts[0])  # warm-up
         lat: list[list[float]] = [[] for _ in range(n)]
         busy = [0.0] * n
+        texts: list[list[str]] = [[] for _ in range(n)]
 
         def worker(i: int) -> None:
             for u in utts:
                 t = time.perf_counter()
-                segs, _ = model.transcribe(u, beam_size=1, without_timestamps=True, language="en",
-                                           condition_on_previous_text=False, vad_filter=False)
-                " ".join(s.text for s in segs)  # the generator decodes lazily
+                texts[i].append(transcribe(u))
                 dt = time.perf_counter() - t
                 lat[i].append(dt * 1000)
                 busy[i] += dt
@@ -181,12 +313,22 @@ def bench_faster_whisper(args: argparse.Namespace, utts: list[np.ndarray]) -> li
             t.join()
         audio_s = sum(len(u) for u in utts) / RATE
         flat = [x for xs in lat for x in xs]
-        rows.append({"engine": "faster-whisper (offline per utterance)", "streams": n,
+        rows.append({"engine": REFERENCE_LABEL[args.reference], "streams": n,
                      "final_after_speech_ms_p50": None, "final_after_speech_ms_p95": None,
                      "final_after_vad_ms_p50": pct(flat, 50), "final_after_vad_ms_p95": pct(flat, 95),
                      "rtf_per_stream_mean": round(float(np.mean(busy)) / audio_s, 4),
-                     "finals": len(flat), "utterances": len(flat)})
+                     "finals": len(flat), "utterances": len(flat), "texts": texts[0]})
     return rows
+
+
+def reference_version(kind: str) -> str:
+    import ctranslate2
+
+    if kind == "faster-whisper":
+        import faster_whisper
+
+        return f"faster-whisper {faster_whisper.__version__}, ctranslate2 {ctranslate2.__version__}"
+    return f"ctranslate2 {ctranslate2.__version__}"
 
 
 def main() -> int:
@@ -197,12 +339,23 @@ def main() -> int:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--utterances", type=int, default=4, help="utterances per stream")
     ap.add_argument("--gap-s", type=float, default=1.0, help="silence after each utterance")
+    ap.add_argument("--clips", type=Path, default=None, help="read the utterances from the WAVs in this folder")
+    ap.add_argument("--save-clips", type=Path, default=None,
+                    help="write the default clips as 16 kHz PCM16 WAVs 00.wav, 01.wav, ... here and exit")
+    ap.add_argument("--tts-model", default=None,
+                    help="a CSM folder for the server's (idle) TTS instead of the Piper voice")
+    ap.add_argument("--reference", default="auto", choices=["auto", "faster-whisper", "ctranslate2"],
+                    help="auto: faster-whisper if installed, else CTranslate2 directly")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "asr.json"))
     args = ap.parse_args()
     t0 = time.time()
-    utts = clips(args.utterances)
-    rows = bench_ours(args, utts) + bench_faster_whisper(args, utts)
-    hdr = (f"{'engine':40s} {'streams':>7s} {'speech->final p50/p95 ms':>26s} {'VAD end->final p50/p95 ms':>27s}"
+    if args.save_clips is not None:
+        save_clips(args.save_clips, clips(args.utterances))
+        return 0
+    utts = load_clips(args.clips, args.utterances) if args.clips is not None else clips(args.utterances)
+    args.reference = pick_reference(args.reference)
+    rows = bench_ours(args, utts) + bench_reference(args, utts)
+    hdr = (f"{'engine':62s} {'streams':>7s} {'speech->final p50/p95 ms':>26s} {'VAD end->final p50/p95 ms':>27s}"
            f" {'rtf/stream':>10s}")
     print(hdr)
     print("-" * len(hdr))
@@ -210,14 +363,18 @@ def main() -> int:
         sp = (f"{r['final_after_speech_ms_p50']}/{r['final_after_speech_ms_p95']}"
               if r["final_after_speech_ms_p50"] else "-")
         vd = f"{r['final_after_vad_ms_p50']}/{r['final_after_vad_ms_p95']}"
-        print(f"{r['engine']:40s} {r['streams']:>7d} {sp:>26s} {vd:>27s} {r['rtf_per_stream_mean']:>10.4f}")
+        print(f"{r['engine']:62s} {r['streams']:>7d} {sp:>26s} {vd:>27s} {r['rtf_per_stream_mean']:>10.4f}")
     import torch
 
     out = {"rows": rows, "device": args.device, "dtype": args.dtype, "model": args.model or "tiny.en (embedded)",
-           "utterances_per_stream": args.utterances, "gap_s": args.gap_s, "torch": torch.__version__,
+           "utterances_per_stream": len(utts), "gap_s": args.gap_s, "torch": torch.__version__,
+           "clips": str(args.clips) if args.clips else "arctic_a0009 + Piper sentences",
+           "clip_seconds": [round(len(u) / RATE, 2) for u in utts],
+           "server_tts": args.server_tts, "reference": args.reference,
+           "reference_version": reference_version(args.reference),
            "machine": platform.platform(), "cpu_threads": torch.get_num_threads(),
            "wall_s": round(time.time() - t0, 1),
-           "note": "faster-whisper latency is the decode time of a whole utterance after it ends (no VAD "
+           "note": f"{args.reference} latency is the decode time of a whole utterance after it ends (no VAD "
                    "hangover, no partials); ours is measured on a live WebSocket stream"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

@@ -4,6 +4,7 @@
     python bench/image.py --small                        # tiny random model on the CPU (< 2 min)
     python bench/image.py                                # DiT-XL/2 shapes at 256 and 512, bf16, cuda:0
     python bench/image.py --shapes 256 --batches 1 8 16 --speech-streams 8 --image-requests 8
+    python bench/image.py --tts-model /path/to/csm       # speech streams from CSM instead of Piper
 
 Weights are random (no public diffusion weights can be downloaded here): a DiT-XL/2-shaped
 transformer, the SD kl-f8 VAE shape and a TAESD-shaped preview decoder are built with diffusers
@@ -12,6 +13,9 @@ Reported: step time per batch size (one batched denoising step incl. classifier-
 preview overhead (preview + host copy + JPEG per step, as % of the step; target <= 5 %),
 end-to-end (N steps + VAE decode) for our engine and for DiTPipeline in the same process, the
 served time to first preview, and speech underruns while images are generated on the same worker.
+The speech streams come from the embedded Piper voice, or with ``--tts-model PATH`` from that CSM
+checkpoint folder (``speech-streams + 1`` KV slots, CUDA graphs on CUDA; bf16 on cuda), so a
+machine without the Piper voice package can run the served/mixed part.
 Prints a table; writes bench/results/image.json.
 """
 
@@ -192,22 +196,36 @@ async def speech_stream(url: str, delay: float) -> dict:
     return s.stats
 
 
+def speech_backend(tts_model: str | None, device: str, speech_streams: int):  # noqa: ANN201 - a TTSBackend
+    """The Piper voice (fp32), or a CSM folder with a KV slot per stream (+1 spare)."""
+    if tts_model is None:
+        from realtime.tts_piper import PiperBackend
+
+        tts = PiperBackend(None, device, device, torch.float32)
+    else:
+        from realtime.tts_csm import CSMBackend
+
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        tts = CSMBackend(tts_model, device, device, dtype, n_slots=max(2, speech_streams + 1))
+    if hasattr(tts, "warmup"):
+        tts.warmup()
+    return tts
+
+
 def bench_server(folder: Path, device: str, dtype_name: str, tts_device: str, steps: int, speech_streams: int,
-                 image_requests: int) -> dict:
+                 image_requests: int, tts_model: str | None = None) -> dict:
     from liveserver import serve
 
     from realtime.config import ServerConfig
     from realtime.image_service import ImageService
     from realtime.server import create_app
-    from realtime.tts_piper import PiperBackend
 
     cfg = ServerConfig(image_model=str(folder), generator_device=device, codec_device=device, dtype=dtype_name,
                        warmup=True, max_frame_bytes=8 << 20)
-    tts = PiperBackend(None, tts_device, tts_device, torch.float32)
-    tts.warmup()
+    tts = speech_backend(tts_model, tts_device, speech_streams)
     svc = ImageService(cfg)
     app = create_app(cfg, tts=tts, services=[svc])
-    res: dict = {}
+    res: dict = {"tts": tts.name}
     with serve(app, ws_max_size=64 << 20) as live:
         img_url, tts_url = f"{live.ws}/v1/image", f"{live.ws}/v1/tts"
         size = svc.info.image_size
@@ -262,7 +280,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--tts-device", default=None, help="device of the Piper voice (default: --device)")
+    ap.add_argument("--tts-device", default=None, help="device of the speech backend (default: --device)")
+    ap.add_argument("--tts-model", default=None, help="a CSM folder for the speech streams instead of Piper")
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="image sides (default 256 512; small: 64)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 4 16; small: 1 4)")
     ap.add_argument("--steps", type=int, default=None, help="denoising steps end-to-end (default 50; small: 20)")
@@ -300,7 +319,7 @@ def main() -> int:
                 + (f", DiTPipeline {r['diffusers']['e2e_ms']:.0f} ms" if "diffusers" in r else ""))
             if not args.no_server and side == shapes[0]:
                 r["server"] = bench_server(folder, args.device, dtype_name, args.tts_device or args.device, steps,
-                                           n_speech, n_img)
+                                           n_speech, n_img, args.tts_model)
             results["shapes"][side] = r
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
