@@ -3,6 +3,7 @@
     python bench/tts.py                                  # embedded Piper voice on the CPU
     python bench/tts.py --concurrency 1 8 --rounds 10    # smaller run
     python bench/tts.py --tts-model /path/csm --generator-device cuda:0 --codec-device cuda:0
+    python bench/tts.py ... --client-procs 8                # sweep clients in 8 other processes
 
 Starts uvicorn with the model in this process, then drives it with real WebSocket clients.
 TTFA is measured on the client: text sent → first audio chunk received. Prints a table, writes
@@ -60,10 +61,29 @@ async def one_stream(url: str, text: str, rate: int, start_delay: float = 0.0) -
             "client_underruns_over_100ms": gaps["underruns_over_100ms"]}
 
 
-async def sweep_level(url: str, text: str, rate: int, n: int, arrival_s: float) -> dict:
+def _client_proc(url: str, text: str, rate: int, delays: list[float], start_at: float) -> list[dict]:
+    """One client process's share of a sweep level: its streams, at their open-loop offsets from
+    the shared wall-clock start ``start_at`` (so the processes' arrivals interleave as in one)."""
+    async def run() -> list[dict]:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await asyncio.gather(*(one_stream(url, text, rate, d) for d in delays))
+
+    return asyncio.run(run())
+
+
+async def sweep_level(url: str, text: str, rate: int, n: int, arrival_s: float, pool=None, procs: int = 1) -> dict:  # noqa: ANN001
     # open-loop arrivals: stream i starts at i * arrival_s / n, whether or not earlier ones finished
+    delays = [i * arrival_s / max(n, 1) for i in range(n)]
     t0 = time.monotonic()
-    res = await asyncio.gather(*(one_stream(url, text, rate, i * arrival_s / max(n, 1)) for i in range(n)))
+    if pool is None:
+        res = await asyncio.gather(*(one_stream(url, text, rate, d) for d in delays))
+    else:  # the clients in `procs` other processes: the server's process then runs only the server
+        start_at = time.time() + 0.2
+        shares = [delays[k::procs] for k in range(procs)]
+        parts = await asyncio.to_thread(pool.starmap, _client_proc,
+                                        [(url, text, rate, sh, start_at) for sh in shares if sh])
+        res = [r for part in parts for r in part]
+        t0 += 0.2
     wall = time.monotonic() - t0
     ttfa = [r["ttfa_ms"] for r in res if r["ttfa_ms"] is not None]
     audio = sum(r["audio_s"] for r in res)
@@ -100,6 +120,8 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=24000)
     ap.add_argument("--prompts", nargs="+", default=["hello", "sentences"], choices=list(PROMPTS))
     ap.add_argument("--sweep-prompt", default="sentences", choices=list(PROMPTS))
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="run the sweep's WebSocket clients in this many other processes (1: in the server's process)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tts.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "tts_bench.png"))
     args = ap.parse_args()
@@ -149,10 +171,24 @@ def main() -> int:
                                 "underruns": sum(r["client_underruns"] for r in rs), "ttfa_all_ms": ttfa}
             results["single"] = single
             sweep = []
-            for n in args.concurrency:
-                log(f"concurrency {n}: open-loop arrivals over {args.arrival_s}s")
-                sweep.append(await sweep_level(url, PROMPTS[args.sweep_prompt], args.rate, n, args.arrival_s))
+            pool = None
+            if args.client_procs > 1:
+                import multiprocessing as mp
+
+                pool = mp.get_context("spawn").Pool(args.client_procs)
+                pool.starmap(_client_proc, [(url, PROMPTS["hello"], args.rate, [0.0], 0.0)] * args.client_procs)
+            try:
+                for n in args.concurrency:
+                    log(f"concurrency {n}: open-loop arrivals over {args.arrival_s}s"
+                        + (f", clients in {args.client_procs} processes" if pool else ""))
+                    sweep.append(await sweep_level(url, PROMPTS[args.sweep_prompt], args.rate, n, args.arrival_s,
+                                                   pool, args.client_procs))
+            finally:
+                if pool is not None:
+                    pool.close()
+                    pool.join()
             results["sweep_prompt"] = args.sweep_prompt
+            results["client_procs"] = args.client_procs
             results["sweep"] = sweep
 
         asyncio.run(run())
@@ -183,7 +219,14 @@ def main() -> int:
         xs = [r["streams"] for r in results["sweep"]]
         b.plot(xs, [r["ttfa_p50_ms"] for r in results["sweep"]], "o-", label="TTFA p50")
         b.plot(xs, [r["ttfa_p95_ms"] for r in results["sweep"]], "s--", label="TTFA p95")
-        b.set_xlabel("concurrent streams"); b.set_ylabel("ms"); b.set_xscale("log", base=2); b.legend()
+        b.set_xlabel("concurrent streams"); b.set_ylabel("TTFA, ms"); b.set_xscale("log", base=2)
+        g = b.twinx()
+        g.plot(xs, [r["streams_gap_over_100ms"] for r in results["sweep"]], "^:", color="tab:red",
+               label="streams with a gap > 100 ms")
+        g.set_ylabel("streams with a gap > 100 ms")
+        g.set_ylim(bottom=0, top=max(1, max(xs)))
+        lines = b.get_legend_handles_labels()[0] + g.get_legend_handles_labels()[0]
+        b.legend(lines, [ln.get_label() for ln in lines], loc="upper left")
         fig.suptitle(f"{results['model']} on {'/'.join(results['devices'])} ({results['date']}, {results['commit']})")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
