@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from realtime.engines.sampling import sample
-from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, rope_frequencies, use_kernels
+from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, project, rope_frequencies, use_gemv, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM", "CSMStepGraphs"]
@@ -217,6 +217,10 @@ class CSM(nn.Module):
         self.depth = Transformer(config.depth)
         self.codebooks_head = nn.Parameter(torch.zeros(k - 1, dd, v))  # codebook k uses [k-1]: h @ W
         self.register_buffer("audio_offsets", torch.arange(k) * v, persistent=False)
+        # Set by fuse_projections on CUDA: codebook heads as [K-1, V, Dd] (nn.Linear layout, for the
+        # GEMV) and which decode-time products take the GEMV.
+        self.register_buffer("codebooks_head_t", None, persistent=False)
+        self.gemv_lm_head = self.gemv_projector = self.gemv_codebooks = False
 
     # ------------------------------------------------------------------ properties
 
@@ -445,7 +449,14 @@ class CSM(nn.Module):
 
     def _depth_input(self, codes: Tensor, codebook: int) -> Tensor:
         """codes [B] of codebook ``codebook`` -> depth decoder input [B, Dd]."""
-        return self.depth_projector(self.depth_embed_audio(codes + codebook * self.audio_vocab_size))
+        e = self.depth_embed_audio(codes + codebook * self.audio_vocab_size)
+        return project(e, self.depth_projector.weight, None, self.gemv_projector)
+
+    def _codebook_logits(self, h: Tensor, codebook: int) -> Tensor:
+        """Depth hidden states h [B, Dd] -> logits [B, V] of codebook ``codebook`` (1..K-1), in h's dtype."""
+        if self.codebooks_head_t is not None:
+            return project(h, self.codebooks_head_t[codebook - 1], None, self.gemv_codebooks)
+        return h @ self.codebooks_head[codebook - 1]
 
     @torch.no_grad()
     def backbone_logits(self, prompt: CSMPrompt | Tensor) -> tuple[Tensor, Tensor]:
@@ -537,19 +548,21 @@ class CSM(nn.Module):
 
         # Codebook 0 from the backbone hidden state of the previous position.
         hidden = state.hidden[slots]  # [B, D]
-        c = _sample(self.lm_head(hidden).float(), temperature, top_k, top_p, seeds, step0)
+        # Logits stay in the model dtype: both samplers compute in float32 from them.
+        c = _sample(project(hidden, self.lm_head.weight, None, self.gemv_lm_head), temperature, top_k, top_p, seeds, step0)
         out = [c]
         # Depth decoder: positions 0 and 1 in one pass, then one position per codebook.
-        x = torch.stack([self.depth_projector(hidden), self._depth_input(c, 0)], dim=1)  # [B, 2, Dd]
-        pos = torch.arange(2, device=dev)[None].expand(b, 2)
+        proj = project(hidden, self.depth_projector.weight, None, self.gemv_projector)
+        x = torch.stack([proj, self._depth_input(c, 0)], dim=1)  # [B, 2, Dd]
+        positions = torch.arange(k, device=dev)[None].expand(b, k)  # views of it: no kernel per pass
+        pos = positions[:, :2]
         for cb in range(1, k):
             h = self.depth(x, pos, state.depth_cache, slots)[:, -1]  # [B, Dd]
-            logits = (h @ self.codebooks_head[cb - 1]).float()
-            c = _sample(logits, temperature, top_k, top_p, seeds, step0 + cb)
+            c = _sample(self._codebook_logits(h, cb), temperature, top_k, top_p, seeds, step0 + cb)
             out.append(c)
             if cb < k - 1:
                 x = self._depth_input(c, cb)[:, None]
-                pos = torch.full((b, 1), cb + 1, dtype=torch.long, device=dev)
+                pos = positions[:, cb + 1:cb + 2]
         codes = torch.stack(out, dim=1)  # [B, K]
 
         # Feed the frame back: the backbone's next hidden state predicts the next frame.
@@ -565,9 +578,16 @@ class CSM(nn.Module):
         return codes
 
     def fuse_projections(self) -> None:
-        """Fuse q|k|v and gate|up in both stacks (see Transformer.fuse_projections); after loading."""
+        """The CUDA fast path's weight layout, after loading: q|k|v and gate|up fused in both stacks
+        (see Transformer.fuse_projections), the codebook heads transposed for the GEMV, and for each
+        decode-time product the faster of the GEMV and cuBLAS (measured once per shape)."""
         self.backbone.fuse_projections()
         self.depth.fuse_projections()
+        with torch.no_grad():
+            self.codebooks_head_t = self.codebooks_head.detach().transpose(1, 2).contiguous()
+        self.gemv_lm_head = use_gemv(self.lm_head.weight)
+        self.gemv_projector = use_gemv(self.depth_projector.weight)
+        self.gemv_codebooks = use_gemv(self.codebooks_head_t[0])
 
     def capture_step(self, state: CSMBatchState, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> "CSMStepGraphs":
         """CUDA graphs of ``step`` for batches padded up to each of ``sizes`` (see CSMStepGraphs)."""

@@ -198,6 +198,29 @@ def use_kernels(enabled: bool | None = None) -> bool:
 
 
 _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
+# The decode GEMV (kernels/gemv.py) per projection: "auto" times it against cuBLAS once per shape
+# at fuse time and keeps the faster; "1" always (M <= 4 rows), "0" never.
+_GEMV = os.environ.get("REALTIME_GEMV", "auto").strip().lower()
+
+
+def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False) -> bool:
+    """Whether decode-time products with this weight take the Triton GEMV (see ``_GEMV``)."""
+    if not (_KERNELS and w.is_cuda) or _GEMV == "0":
+        return False
+    if _GEMV == "1":
+        return True
+    from realtime.kernels.gemv import faster_than_library
+
+    return faster_than_library(w, bias, swiglu)
+
+
+def project(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> Tensor:
+    """x [M, K] @ w.T + bias: the GEMV for M <= 4 rows when ``gemv``, else the library GEMM."""
+    if gemv and x.shape[0] <= 4:
+        from realtime.kernels.gemv import linear
+
+        return linear(x, w, bias)
+    return F.linear(x, w, bias)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -220,6 +243,7 @@ class Attention(nn.Module):
         # Non-persistent buffers (None until ``fuse``): moved by .to(), absent from state dicts.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.gemv_qkv = self.gemv_o = False
 
     def fuse(self) -> None:
         """One [q|k|v] weight; the three projections' parameters become views into it."""
@@ -229,6 +253,8 @@ class Attention(nn.Module):
         self.qkv_weight = _fuse_params([p.weight for p in projs])
         if self.cfg.attention_bias:
             self.qkv_bias = _fuse_params([p.bias for p in projs])
+        self.gemv_qkv = use_gemv(self.qkv_weight, self.qkv_bias)
+        self.gemv_o = use_gemv(self.o_proj.weight, self.o_proj.bias)
 
     def forward(
         self,
@@ -296,6 +322,7 @@ class MLP(nn.Module):
         self.mlp_bias = cfg.mlp_bias
         self.register_buffer("gate_up_weight", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
+        self.gemv_gate_up = self.gemv_down = False
 
     def fuse(self) -> None:
         """One [gate|up] weight; the two projections' parameters become views into it."""
@@ -305,6 +332,19 @@ class MLP(nn.Module):
         self.gate_up_weight = _fuse_params([p.weight for p in projs])
         if self.mlp_bias:
             self.gate_up_bias = _fuse_params([p.bias for p in projs])
+        self.gemv_gate_up = use_gemv(self.gate_up_weight, self.gate_up_bias, swiglu=True)
+        self.gemv_down = use_gemv(self.down_proj.weight, self.down_proj.bias)
+
+    def decode(self, x: Tensor) -> Tensor:
+        """x [M, dim] (fused weights) -> [M, dim]: SwiGLU in the GEMV's epilogue when chosen."""
+        if self.gemv_gate_up and x.shape[0] <= 4:
+            from realtime.kernels.gemv import swiglu
+
+            a = swiglu(x, self.gate_up_weight, self.gate_up_bias)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        return project(a, self.down_proj.weight, self.down_proj.bias, self.gemv_down)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_weight is not None:
@@ -345,6 +385,19 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
         # Non-persistent so HF state dicts (which carry no inv_freq) load strictly.
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def rope_table(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin) [n, D] in ``dtype`` for positions 0..n-1, on inv_freq's device: the same
+        values ``forward`` computes per step (same float32 ops, then the cast). Built once per
+        (n, dtype, device); build it before a CUDA-graph capture (the capture warm-up does)."""
+        key = (n, dtype, self.inv_freq.device)
+        if key not in self._rope_tables:
+            pos = torch.arange(n, device=self.inv_freq.device)
+            freqs = pos.to(torch.float32)[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_tables[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._rope_tables[key]
 
     def _apply(self, fn, recurse=True):  # keep inv_freq float32 under .to(bfloat16), like HF
         inv = self.inv_freq
@@ -365,6 +418,10 @@ class Transformer(nn.Module):
         With a cache: writes K/V of these T positions into cache[slots] at ``pos`` and attends over
         cache positions <= each query's position. Without: plain causal attention over the T inputs.
         """
+        if _KERNELS and x.is_cuda and cache is not None and x.shape[1] == 1 and self._decode_fusable():
+            if slots is None:
+                raise ConfigError("Transformer.forward: a cache needs slots")
+            return self._decode(x, pos[:, 0], cache, slots)
         # RoPE angles in float32 regardless of the compute dtype (as HF does), then cast.
         freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
@@ -399,6 +456,43 @@ class Transformer(nn.Module):
             nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else self.norm.weight
             h, x = add_rmsnorm(m.contiguous(), x, nxt, eps)
         return h if len(self.layers) else self.norm(x)
+
+    def _decode_fusable(self) -> bool:
+        """The one-token fast path needs fused projections, no q/k norm, and the kernels' head dims."""
+        cfg = self.cfg
+        return (len(self.layers) > 0 and self.layers[0].self_attn.qkv_weight is not None
+                and self.layers[0].mlp.gate_up_weight is not None and not cfg.qk_norm
+                and 16 <= cfg.head_dim <= 256)
+
+    def _decode(self, x: Tensor, pos: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
+        """One token per row with the kernels: x [B, 1, dim], pos [B] -> [B, 1, dim] after the final norm.
+
+        Per layer: q|k|v GEMV -> RoPE + K/V cache write (one kernel) -> decode attention -> o GEMV ->
+        residual add + RMSNorm -> gate|up GEMV with SwiGLU -> down GEMV -> residual add + RMSNorm.
+        The angles come from a position table instead of being recomputed each step.
+        """
+        from realtime.kernels.decode_attention import decode_attention
+        from realtime.kernels.rmsnorm import add_rmsnorm, rmsnorm
+        from realtime.kernels.rotary import rotary_cache_write
+
+        cfg, eps = self.cfg, self.cfg.rms_eps
+        b = x.shape[0]
+        cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
+        pos = pos.contiguous()  # once here, not in every layer's kernel call
+        lengths = pos + 1  # keys 0..pos are valid for this query
+        x = x.reshape(b, cfg.dim).contiguous()
+        h = rmsnorm(x, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attn
+            qkv = project(h, att.qkv_weight, att.qkv_bias, att.gemv_qkv)
+            q = rotary_cache_write(qkv, cos, sin, pos, cache.k[i], cache.v[i], slots, cfg.n_heads, cfg.n_kv_heads)
+            o = decode_attention(q, cache.k[i], cache.v[i], slots, lengths).reshape(b, cfg.n_heads * cfg.head_dim)
+            a = project(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o)
+            h, x = add_rmsnorm(a, x, layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp.decode(h)
+            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else self.norm.weight
+            h, x = add_rmsnorm(m, x, nxt, eps)
+        return h.view(b, 1, cfg.dim)
 
     def fuse_projections(self) -> None:
         """Fuse q|k|v and gate|up into one GEMM each (half the GEMM launches of a decode step).

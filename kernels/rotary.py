@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ._triton import check, use_triton
 
-__all__ = ["apply_rotary", "apply_rotary_ref"]
+__all__ = ["apply_rotary", "apply_rotary_ref", "rotary_cache_write", "rotary_cache_write_ref"]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -105,7 +105,117 @@ def _kernels():
             _rotate_heads(k_ptr, ko_ptr, c1, c2, s1, s2, b, t, (hb - n_qb) * BLOCK_H, HKV, T, sk_b, sk_h, sk_t,
                           HALF, BLOCK_HALF, BLOCK_H)
 
-    return _rotary_kernel
+    @triton.jit
+    def _rotary_cache_kernel(
+        qkv_ptr,  # *qkv [B, (H + 2*HKV) * D]: one token per row, [q heads | k heads | v heads]
+        cos_ptr,  # *cos table [P, D], row stride s_tab (row = absolute position)
+        sin_ptr,  # *sin table [P, D], same strides
+        pos_ptr,  # *pos [B] int64: the token's position (table row and cache position)
+        slots_ptr,  # *slots [B] int64: cache slot of each row
+        qo_ptr,  # *q' [B, H, D] output, contiguous
+        k_ptr,  # *k_cache [S, HKV, TMAX, D] of one layer, strides sk_*
+        v_ptr,  # *v_cache [S, HKV, TMAX, D], strides sv_*
+        s_qkv, s_tab,
+        sk_s, sk_h, sk_t,
+        sv_s, sv_h, sv_t,
+        H, HKV,
+        HALF: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
+        # Program (b, head): heads [0, H) rotate q into q'; heads [H, H + HKV) rotate k and write
+        # it, and copy v, into the cache at (slot, head, pos).
+        b = tl.program_id(0).to(tl.int64)
+        hd = tl.program_id(1)
+        d = tl.arange(0, BLOCK_HALF)
+        dm = d < HALF
+        p = tl.load(pos_ptr + b)
+        c_off = p * s_tab + d
+        c1 = tl.load(cos_ptr + c_off, mask=dm, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + c_off + HALF, mask=dm, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + c_off, mask=dm, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + c_off + HALF, mask=dm, other=0.0).to(tl.float32)
+        x_off = b * s_qkv + hd * (2 * HALF) + d
+        x1 = tl.load(qkv_ptr + x_off, mask=dm, other=0.0)
+        x2 = tl.load(qkv_ptr + x_off + HALF, mask=dm, other=0.0)
+        dt = x1.dtype
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        # The same roundings as _rotate_heads (the engine's bf16 expression).
+        o1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        if hd < H:
+            q_off = (b * H + hd) * (2 * HALF) + d
+            tl.store(qo_ptr + q_off, o1, mask=dm)
+            tl.store(qo_ptr + q_off + HALF, o2, mask=dm)
+        else:
+            j = (hd - H).to(tl.int64)
+            slot = tl.load(slots_ptr + b)
+            k_off = slot * sk_s + j * sk_h + p * sk_t + d
+            tl.store(k_ptr + k_off, o1.to(k_ptr.dtype.element_ty), mask=dm)
+            tl.store(k_ptr + k_off + HALF, o2.to(k_ptr.dtype.element_ty), mask=dm)
+            v_in = b * s_qkv + (H + HKV + j) * (2 * HALF) + d
+            v1 = tl.load(qkv_ptr + v_in, mask=dm, other=0.0)
+            v2 = tl.load(qkv_ptr + v_in + HALF, mask=dm, other=0.0)
+            v_off = slot * sv_s + j * sv_h + p * sv_t + d
+            tl.store(v_ptr + v_off, v1.to(v_ptr.dtype.element_ty), mask=dm)
+            tl.store(v_ptr + v_off + HALF, v2.to(v_ptr.dtype.element_ty), mask=dm)
+
+    return _rotary_kernel, _rotary_cache_kernel
+
+
+def rotary_cache_write_ref(
+    qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+    n_heads: int, n_kv_heads: int,
+) -> Tensor:
+    """PyTorch reference of ``rotary_cache_write`` (writes the caches in place, returns q')."""
+    b = qkv.shape[0]
+    d = cos.shape[-1]
+    q, k, v = qkv.view(b, n_heads + 2 * n_kv_heads, d).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    c, s = cos[pos][:, None], sin[pos][:, None]  # [B, 1, D]
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    k_cache[slots, :, pos] = k.to(k_cache.dtype)
+    v_cache[slots, :, pos] = v.to(v_cache.dtype)
+    return q.contiguous()
+
+
+def rotary_cache_write(
+    qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+    n_heads: int, n_kv_heads: int,
+) -> Tensor:
+    """A decode step's RoPE and KV-cache write in one launch (instead of rotary + two scatters).
+
+    qkv [B, (H + 2*Hkv) * D]: the fused q|k|v projection of one token per row; cos/sin [P, D]
+    tables indexed by absolute position (rows computed like the engine's per-step angles); pos [B]
+    long (< P and < Tmax, not checked on the device); k_cache/v_cache [S, Hkv, Tmax, D] (one
+    layer's view); slots [B] long. Returns q' [B, H, D]; k' and v land in cache[slots[b], :, pos[b]].
+    """
+    if not use_triton("rotary_cache_write", qkv, cos, sin, pos, k_cache, v_cache, slots):
+        return rotary_cache_write_ref(qkv, cos, sin, pos, k_cache, v_cache, slots, n_heads, n_kv_heads)
+    check(qkv.dim() == 2 and cos.dim() == 2 and cos.shape == sin.shape, f"qkv must be [B, N] and cos/sin [P, D], got {tuple(qkv.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    b = qkv.shape[0]
+    d = cos.shape[1]
+    check(d % 2 == 0 and qkv.shape[1] == (n_heads + 2 * n_kv_heads) * d, f"qkv {tuple(qkv.shape)} is not [B, (H={n_heads} + 2*Hkv={n_kv_heads}) * D={d}]")
+    check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[1] == n_kv_heads and k_cache.shape[3] == d,
+          f"k_cache/v_cache must be [S, Hkv={n_kv_heads}, Tmax, D={d}], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    check(pos.shape == (b,) and slots.shape == (b,) and pos.dtype == torch.long and slots.dtype == torch.long,
+          "pos and slots must be int64 [B]")
+    check(qkv.stride(1) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride() and k_cache.stride(3) == 1 and v_cache.stride(3) == 1,
+          "the last dims of qkv, cos/sin and the caches must have unit stride")
+    check(cos.dtype == qkv.dtype and sin.dtype == qkv.dtype, f"cos/sin must have qkv's dtype {qkv.dtype}")
+    _, kernel = _kernels()
+    qo = torch.empty((b, n_heads, d), device=qkv.device, dtype=qkv.dtype)
+    if b == 0:
+        return qo
+    half = d // 2
+    kernel[(b, n_heads + n_kv_heads)](
+        qkv, cos, sin, pos.contiguous(), slots.contiguous(), qo, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        n_heads, n_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1,
+    )
+    return qo
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,7 +238,7 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor
     check(q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1,
           "the last dim (D) of q, k, cos, sin must have unit stride")
     check(cos.stride() == sin.stride(), "cos and sin must have the same strides")
-    kernel = _kernels()
+    kernel, _ = _kernels()
     qo = torch.empty((b, h, t, d), device=q.device, dtype=q.dtype)
     ko = torch.empty((b, hkv, t, d), device=k.device, dtype=k.dtype)
     if b * t == 0:

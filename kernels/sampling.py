@@ -10,6 +10,10 @@ indices (a stable sort; torch.sort makes no promise), and -0.0 ranks below +0.0.
 Top-k without a sort: a radix select finds the k-th largest temperature-scaled logit (4 passes,
 8 bits each, over an order-preserving uint32 key), then a final pass adds the noise and takes the
 argmax over the kept tokens. Rows with top-k off or greedy rows skip the select.
+
+Small vocabularies (V <= 8192: CSM's 2051 audio codes) take a second kernel that holds the whole
+row in registers and finds the same k-th largest key by bisection over its 32 bits (32 counting
+reductions, no histograms and no re-reads of the row); it returns the same tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ._triton import check, use_triton
 __all__ = ["sample", "sample_ref"]
 
 _BLOCK_V = 2048  # vocab entries per inner step
+_SMALL_V = 8192  # rows up to this size are held in registers by the small-vocabulary kernel
 
 
 def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
@@ -141,7 +146,64 @@ def _kernels():
             best = tl.maximum(best, bmax)
         tl.store(out_ptr + row, best_idx)
 
-    return _sample_kernel
+    @triton.jit
+    def _sample_small_kernel(
+        logits_ptr,  # *logits [B, V] (any float dtype), row stride stride_l, unit column stride
+        temp_ptr,  # *temperature [B] float32 (<= 0: greedy)
+        topk_ptr,  # *top_k [B] int64 (<= 0 or >= V: off)
+        seed_ptr,  # *seeds [B] int64
+        step_ptr,  # *steps [B] int64
+        out_ptr,  # *tokens [B] int64 output
+        V,
+        stride_l,
+        BLOCK_V: tl.constexpr,  # >= V: the whole row in one block
+        LIBDEVICE_LOG: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        temp = tl.load(temp_ptr + row)
+        greedy = temp <= 0
+        temp = tl.where(greedy, 1.0, temp)
+        k = tl.load(topk_ptr + row)
+        topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
+        seed = tl.load(seed_ptr + row)
+        step = tl.load(step_ptr + row)
+        key = _hash32((seed & 0xFFFFFFFF).to(tl.uint32))
+        key = _hash32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
+        key = _hash32(key ^ (step & 0xFFFFFFFF).to(tl.uint32))
+        key = _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
+
+        idx = tl.arange(0, BLOCK_V)
+        valid = idx < V
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0).to(tl.float32), temp)
+        bits = x.to(tl.uint32, bitcast=True)
+        okey = bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+
+        # The k-th largest key = the largest t with #(okey >= t) >= k: set its bits from the top.
+        thr = tl.full([], 0, tl.uint32)
+        k_rem = k.to(tl.int32)
+        if topk_on:
+            one = tl.full([], 1, tl.uint32)
+            for bit in tl.static_range(32):
+                cand = thr | (one << (31 - bit))
+                cnt = tl.sum((valid & (okey >= cand)).to(tl.int32), 0)
+                thr = tl.where(cnt >= k_rem, cand, thr)
+            k_rem = k_rem - tl.sum((valid & (okey > thr)).to(tl.int32), 0)
+        eq = valid & (okey == thr)
+        eq_i = eq.to(tl.int32)
+        tie_rank = tl.cumsum(eq_i, 0) - eq_i
+        keep = (~topk_on) | (okey > thr) | (eq & (tie_rank < k_rem))
+        h = _hash32(key ^ _hash32(idx.to(tl.uint32) + 0x27D4EB2F))
+        h = _hash32(h ^ 0x165667B1)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        if LIBDEVICE_LOG:
+            g = -libdevice.log(-libdevice.log(u))
+        else:
+            g = -tl.log(-tl.log(u))
+        val = tl.where(greedy, x, tl.where(keep, x + g, float("-inf")))
+        val = tl.where(valid, val, float("-inf"))
+        tl.store(out_ptr + row, tl.argmax(val, 0).to(tl.int64))
+
+    return _sample_kernel, _sample_small_kernel
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
@@ -158,7 +220,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
         check(t.shape == (b,), f"{name} must be [B={b}], got {tuple(t.shape)}")
     check(logits.stride(-1) == 1, "logits must have a unit stride over V")
     check(0 < v < 2**31 - _BLOCK_V, f"V must be in [1, 2**31), got {v}")
-    kernel = _kernels()
+    kernel, small_kernel = _kernels()
     out = torch.empty(b, device=logits.device, dtype=torch.long)
     if b == 0:
         return out
@@ -166,6 +228,12 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
     k = top_k.to(dtype=torch.long).contiguous()
     sd = seeds.to(dtype=torch.long).contiguous()
     st = steps.to(dtype=torch.long).contiguous()
+    if v <= _SMALL_V:
+        small_kernel[(b,)](
+            logits, temp, k, sd, st, out, v, logits.stride(0),
+            BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=8,
+        )
+        return out
     kernel[(b,)](
         logits, temp, k, sd, st, out, v, logits.stride(0),
         N_BLOCKS=triton.cdiv(v, _BLOCK_V), BLOCK_V=_BLOCK_V, LIBDEVICE_LOG=logits.is_cuda, num_warps=8,

@@ -28,9 +28,10 @@ from realtime.engines.sampling import sample as engine_sample  # noqa: E402
 from realtime.engines.sampling import uniform_noise  # noqa: E402
 from realtime.engines.transformer import KVCache, TransformerConfig  # noqa: E402
 from realtime.kernels import _triton  # noqa: E402
+from realtime.kernels import gemv  # noqa: E402
 from realtime.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
-from realtime.kernels.rotary import apply_rotary, apply_rotary_ref  # noqa: E402
+from realtime.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cache_write, rotary_cache_write_ref  # noqa: E402
 from realtime.kernels.sampling import sample, sample_ref  # noqa: E402
 
 # (rtol, atol) per dtype. bf16 has an 8-bit mantissa: 1 ulp is 2**-7 relative; the CPU
@@ -136,6 +137,83 @@ def test_rotary_ref_is_hf_rotate_half():
     torch.testing.assert_close(apply_rotary_ref(q, k, cos, sin)[0], want)
 
 
+def _rot_cache_inputs(b, h, hkv, d, s, tmax, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, (h + 2 * hkv) * d, generator=g).to(device, dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d))
+    freqs = torch.arange(tmax, device=device).float()[:, None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    pos = torch.randint(0, tmax, (b,), generator=g).to(device)
+    slots = torch.randperm(s, generator=g)[:b].to(device)
+    kc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
+    vc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
+    return qkv, emb.cos().to(dtype), emb.sin().to(dtype), pos, kc, vc, slots
+
+
+ROT_CACHE_SHAPES = [(1, 4, 2, 32, 3, 40), (3, 6, 1, 24, 4, 17), (2, 8, 8, 64, 2, 9)]  # B, H, Hkv, D, S, Tmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROT_CACHE_SHAPES)
+def test_rotary_cache_write(cpu_kernels, shape, dtype):
+    """RoPE + K/V cache write in one kernel = the engine's rotary and two scatters; nothing else
+    in the caches changes."""
+    b, h, hkv, d, s, tmax = shape
+    qkv, cos, sin, pos, kc, vc, slots = _rot_cache_inputs(b, h, hkv, d, s, tmax, dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q = rotary_cache_write(qkv, cos, sin, pos, kc, vc, slots, h, hkv)
+    q_ref = rotary_cache_write_ref(qkv, cos, sin, pos, kc_ref, vc_ref, slots, h, hkv)
+    assert q.shape == (b, h, d) and q.dtype == dtype
+    _close(q, q_ref, dtype)
+    _close(kc, kc_ref, dtype)
+    assert torch.equal(vc, vc_ref)  # v is copied, not computed
+    # The same as apply_rotary on the engine's [B, H, 1, D] layout with the per-step angles.
+    qh = qkv.view(b, h + 2 * hkv, d)
+    qo, ko = apply_rotary(qh[:, :h, None], qh[:, h:h + hkv, None], cos[pos][:, None, None], sin[pos][:, None, None])
+    _close(q, qo[:, :, 0], dtype)
+    _close(kc[slots, :, pos], ko[:, :, 0], dtype)
+
+
+# ---------------------------------------------------------------------------------------- gemv
+
+GEMV_CASES = [(1, 64, 40), (2, 300, 24), (3, 128, 96), (4, 1030, 130), (1, 2048, 8)]  # M, K, N
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GEMV_CASES)
+def test_gemv_linear_and_swiglu(cpu_kernels, case, dtype):
+    m, k, n = case
+    g = torch.Generator().manual_seed(m * 7 + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)
+    bias = torch.randn(2 * n, generator=g).to(dtype)
+    for b in (None, bias):
+        y = gemv.linear(x, w, b)
+        assert y.shape == (m, 2 * n) and y.dtype == dtype
+        # float32 accumulation in another order than the reference: rounding-level differences
+        _close(y, gemv.linear_ref(x.double(), w.double(), None if b is None else b.double()), dtype)
+        a = gemv.swiglu(x, w, b)
+        assert a.shape == (m, n) and a.dtype == dtype
+        _close(a, gemv.swiglu_ref(x.double(), w.double(), None if b is None else b.double()), dtype)
+    # a strided row view (the engine passes slices) and a weight slice of a bigger tensor
+    xs = torch.randn(m, 2 * k, generator=g).to(dtype)[:, :k]
+    _close(gemv.linear(xs, w[:n]), gemv.linear_ref(xs.double(), w[:n].double()), dtype)
+
+
+def test_gemv_checks_and_choice(cpu_kernels):
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="rows"):
+        gemv.linear(x, w)
+    with pytest.raises(ValueError, match="columns"):
+        gemv.linear(x[:2], w[:, :8])
+    with pytest.raises(ValueError, match="gate and up"):
+        gemv.swiglu(x[:1], w[:7])
+    assert gemv.faster_than_library(w) is False  # no CUDA: the library path
+    from realtime.engines.transformer import project
+
+    assert torch.equal(project(x, w, None, True), torch.nn.functional.linear(x, w))  # 5 rows: library GEMM
+
+
 # ---------------------------------------------------------------------------------------- decode attention
 
 ATT_CASES = [  # B, H, Hkv, S, Tmax, D, lengths, num_splits
@@ -213,7 +291,9 @@ def _sampling_rows(b, v, device="cpu", seed=0):
     return logits, temp, top_k, seeds, steps
 
 
-@pytest.mark.parametrize("v", [1000, 3001])  # 3001: several blocks, last one partial
+# 1000, 3001: the small-vocabulary kernel (row in registers); 9001: the radix-select kernel with
+# several blocks, the last one partial.
+@pytest.mark.parametrize("v", [1000, 3001, 9001])
 def test_sample_equals_engine(cpu_kernels, v):
     logits, temp, top_k, seeds, steps = _sampling_rows(24, v)
     got = sample(logits, temp, top_k, seeds, steps)
@@ -297,7 +377,7 @@ _AOT = r"""
 import triton, triton.language as tl
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from realtime.kernels import decode_attention, rmsnorm, rotary, sampling
+from realtime.kernels import decode_attention, gemv, rmsnorm, rotary, sampling
 
 def comp(fn, sig, consts, warps):
     full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
@@ -308,16 +388,24 @@ def comp(fn, sig, consts, warps):
 for dt in ("bf16", "fp32"):
     comp(rmsnorm._kernels(), dict(x_ptr=f"*{dt}", r_ptr=f"*{dt}", w_ptr=f"*{dt}", y_ptr=f"*{dt}", s_ptr=f"*{dt}",
          eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK_D=2048), 8)
-    comp(rotary._kernels(), {p: f"*{dt}" for p in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr")},
+    rot, rot_cache = rotary._kernels()
+    comp(rot, {p: f"*{dt}" for p in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr")},
          dict(HALF=32, BLOCK_HALF=32, BLOCK_H=32), 4)
+    comp(rot_cache, dict(qkv_ptr=f"*{dt}", cos_ptr=f"*{dt}", sin_ptr=f"*{dt}", pos_ptr="*i64", slots_ptr="*i64",
+         qo_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}"), dict(HALF=32, BLOCK_HALF=32), 1)
+    for swiglu in (False, True):
+        comp(gemv._kernels(), dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr=f"*{dt}"),
+             dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, K_STEPS=4), 8)
     split, merge = decode_attention._kernels()
     comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
          acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
          dict(H=32, G=4, D=64, CHUNK=128, NUM_SPLITS=16, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
               DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee"), 4)
     comp(merge, dict(acc_ptr="*fp32", ml_ptr="*fp32", o_ptr=f"*{dt}"), dict(D=64, NUM_SPLITS=16, BLOCK_SPLITS=16, BLOCK_D=64), 4)
-    comp(sampling._kernels(), dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64",
-         step_ptr="*i64", out_ptr="*i64"), dict(N_BLOCKS=63, BLOCK_V=2048, LIBDEVICE_LOG=True), 8)
+    big, small = sampling._kernels()
+    sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
+    comp(big, sig, dict(N_BLOCKS=63, BLOCK_V=2048, LIBDEVICE_LOG=True), 8)
+    comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True), 8)
 print("compiled")
 """
 
@@ -403,6 +491,51 @@ def test_gpu_decode_attention(dtype):
     print(f"\ndecode_attention {dtype} B=8 H=32 Hkv=8 Tmax=2048: kernel "
           f"{_time_us(lambda: decode_attention(q, kc, vc, slots, lengths, 0.125)):.1f} us, "
           f"ref {_time_us(lambda: decode_attention_ref(q, kc, vc, slots, lengths, 0.125)):.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_rotary_cache_write(dtype):
+    for shape in ROT_CACHE_SHAPES + [(8, 32, 8, 64, 10, 2048), (1, 8, 2, 128, 2, 33)]:
+        qkv, cos, sin, pos, kc, vc, slots = _rot_cache_inputs(*shape[:3], shape[3], shape[4], shape[5], dtype, "cuda")
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        h, hkv = shape[1], shape[2]
+        q = rotary_cache_write(qkv, cos, sin, pos, kc, vc, slots, h, hkv)
+        q_ref = rotary_cache_write_ref(qkv, cos, sin, pos, kc_ref, vc_ref, slots, h, hkv)
+        _close(q, q_ref, dtype)
+        _close(kc, kc_ref, dtype)
+        assert torch.equal(vc, vc_ref)
+    eager, replay = _graph(lambda: rotary_cache_write(qkv, cos, sin, pos, kc, vc, slots, h, hkv))
+    assert torch.equal(eager, replay)
+    print(f"\nrotary_cache_write {dtype} {shape}: kernel {_time_us(lambda: rotary_cache_write(qkv, cos, sin, pos, kc, vc, slots, h, hkv)):.1f} us, "
+          f"ref {_time_us(lambda: rotary_cache_write_ref(qkv, cos, sin, pos, kc_ref, vc_ref, slots, h, hkv)):.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_gemv(dtype):
+    """GEMV and fused SwiGLU vs float64 references at the engines' shapes; graph replay; the
+    timed choice against cuBLAS is printed (it is what the engines use)."""
+    torch.manual_seed(0)
+    for m in (1, 2, 4):
+        for n, k in ((1536, 1024), (1024, 1024), (2051, 1024), (3072, 2048), (2048, 8192), (128256, 2048)):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+            want = gemv.linear_ref(x.double(), w.double())
+            got = gemv.linear(x, w)
+            assert torch.isfinite(got).all()
+            assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    for n, k in ((16384, 1024), (16384, 2048)):
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+        b = torch.randn(n, device="cuda").to(dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        want = gemv.swiglu_ref(x.double(), w.double(), b.double())
+        got = gemv.swiglu(x, w, b)
+        assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        eager, replay = _graph(lambda: gemv.swiglu(x, w, b))
+        assert torch.equal(eager, replay)
+        print(f"\nswiglu {dtype} [{n}, {k}]: gemv {gemv._graph_time(lambda: gemv.swiglu(x, w, b)) * 1e6:.1f} us, "
+              f"cuBLAS + silu*mul {gemv._graph_time(lambda: gemv.swiglu_ref(x, w, b)) * 1e6:.1f} us")
 
 
 @pytest.mark.gpu
