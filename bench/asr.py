@@ -261,9 +261,9 @@ def pick_reference(choice: str) -> str:
     return "faster-whisper"
 
 
-def reference_transcriber(kind: str, path: str, device: str, compute_type: str, n: int):  # noqa: ANN201
-    """A thread-safe ``audio [N] -> text`` for ``n`` concurrent callers."""
-    threads = 0 if device.startswith("cuda") else 2
+def reference_transcriber(kind: str, path: str, device: str, compute_type: str, n: int, threads: int = 2):  # noqa: ANN201
+    """A thread-safe ``audio [N] -> text`` for ``n`` concurrent callers (``threads`` per caller on a CPU)."""
+    threads = 0 if device.startswith("cuda") else threads
     if kind == "ctranslate2":
         return CT2Whisper(path, device, compute_type, n, threads).transcribe
     from faster_whisper import WhisperModel
@@ -288,11 +288,12 @@ def bench_reference(args: argparse.Namespace, utts: list[np.ndarray]) -> list[di
     from realtime.engines.whisper import default_model_dir
 
     path = args.model or str(default_model_dir())
-    dev = "cuda" + args.device[4:] if args.device.startswith("cuda") else "cpu"
+    dev = args.reference_device or ("cuda" + args.device[4:] if args.device.startswith("cuda") else "cpu")
+    ctype = args.dtype if dev.startswith("cuda") else "float32"
     rows = []
     for n in args.streams:
-        log(f"{args.reference}: {n} stream(s)")
-        transcribe = reference_transcriber(args.reference, path, dev, args.dtype, n)
+        log(f"{args.reference} on {dev}: {n} stream(s)")
+        transcribe = reference_transcriber(args.reference, path, dev, ctype, n, args.reference_threads)
         transcribe(utts[0])  # warm-up
         lat: list[list[float]] = [[] for _ in range(n)]
         busy = [0.0] * n
@@ -313,7 +314,7 @@ def bench_reference(args: argparse.Namespace, utts: list[np.ndarray]) -> list[di
             t.join()
         audio_s = sum(len(u) for u in utts) / RATE
         flat = [x for xs in lat for x in xs]
-        rows.append({"engine": REFERENCE_LABEL[args.reference], "streams": n,
+        rows.append({"engine": f"{REFERENCE_LABEL[args.reference]} on {dev}", "streams": n,
                      "final_after_speech_ms_p50": None, "final_after_speech_ms_p95": None,
                      "final_after_vad_ms_p50": pct(flat, 50), "final_after_vad_ms_p95": pct(flat, 95),
                      "rtf_per_stream_mean": round(float(np.mean(busy)) / audio_s, 4),
@@ -346,6 +347,10 @@ def main() -> int:
                     help="a CSM folder for the server's (idle) TTS instead of the Piper voice")
     ap.add_argument("--reference", default="auto", choices=["auto", "faster-whisper", "ctranslate2"],
                     help="auto: faster-whisper if installed, else CTranslate2 directly")
+    ap.add_argument("--reference-device", default=None,
+                    help="where the reference runs (default: --device). CTranslate2's wheel needs CUDA 12's "
+                         "cuBLAS: on a CUDA-13-only machine run it on the host's cpu")
+    ap.add_argument("--reference-threads", type=int, default=2, help="CPU threads per reference stream")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "asr.json"))
     args = ap.parse_args()
     t0 = time.time()
@@ -371,6 +376,7 @@ def main() -> int:
            "clips": str(args.clips) if args.clips else "arctic_a0009 + Piper sentences",
            "clip_seconds": [round(len(u) / RATE, 2) for u in utts],
            "server_tts": args.server_tts, "reference": args.reference,
+           "reference_device": args.reference_device or args.device, "reference_threads": args.reference_threads,
            "reference_version": reference_version(args.reference),
            "machine": platform.platform(), "cpu_threads": torch.get_num_threads(),
            "wall_s": round(time.time() - t0, 1),

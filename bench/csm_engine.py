@@ -98,7 +98,10 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--variants", nargs="+", default=["eager", "graphed", "graphed_kernels"],
                     help="eager | graphed (plain PyTorch ops) | graphed_kernels (the fast path: Triton RMSNorm+residual, "
-                         "rotary, decode attention, fused sampler; fused q|k|v and gate|up GEMMs)")
+                         "RoPE + cache write, decode attention, fused sampler, fused q|k|v and gate|up, the decode "
+                         "GEMV where it beats cuBLAS) | graphed_kernels_nogemv (the fast path with cuBLAS only)")
+    ap.add_argument("--variant-batches", type=int, nargs="+", default=None,
+                    help="batch sizes for every variant but the last (default: --batches)")
     args = ap.parse_args()
     folder = Path(args.folder)
     build(folder)
@@ -141,12 +144,15 @@ def main() -> int:
         del hf
         torch.cuda.empty_cache()
 
+    import realtime.engines.transformer as tr
     from realtime.engines.transformer import use_kernels
 
     n_slots = max(args.batches)
+    gemv_env = tr._GEMV
     for tag in args.variants:
         graphs = tag != "eager"
         use_kernels("kernels" in tag)  # before loading: the fast path also fuses the projections at load
+        tr._GEMV = "0" if "nogemv" in tag else gemv_env  # the decode GEMV is chosen per shape at load
         log(f"ours ({tag}): loading + capture")
         t0 = time.perf_counter()
         b = CSMBackend(str(folder), "cuda", "cuda", torch.bfloat16, n_slots=n_slots, max_seq_len=1024,
@@ -155,6 +161,13 @@ def main() -> int:
             b.capture_graphs()
         res[f"ours_{tag}_setup_s"] = time.perf_counter() - t0
         csm = b.csm
+        mods = [m for stack in (csm.backbone, csm.depth) for m in stack.modules()]
+        res[f"ours_{tag}_gemv_choices"] = {
+            "qkv": sum(getattr(m, "gemv_qkv", False) for m in mods), "o": sum(getattr(m, "gemv_o", False) for m in mods),
+            "gate_up+swiglu": sum(getattr(m, "gemv_gate_up", False) for m in mods),
+            "down": sum(getattr(m, "gemv_down", False) for m in mods),
+            "lm_head": csm.gemv_lm_head, "projector": csm.gemv_projector, "codebook_heads": csm.gemv_codebooks}
+        log(f"ours ({tag}): GEMV chosen for {res[f'ours_{tag}_gemv_choices']}")
         if "weight_bytes_per_frame" not in res:
             def nbytes(m) -> int:  # noqa: ANN001
                 ps = [m] if isinstance(m, torch.nn.Parameter) else list(m.parameters())
@@ -186,7 +199,8 @@ def main() -> int:
 
 def _bench_variant(args, res: dict, b, csm, tag: str, graphs: bool, text: str) -> None:  # noqa: ANN001
     """frames/s and Mimi decode time of one variant at each batch size (eager: batch 1 only)."""
-    for bsz in args.batches if graphs else [1]:
+    batches = args.batches if tag == args.variants[-1] or not args.variant_batches else args.variant_batches
+    for bsz in batches if graphs else [1]:
         slots = torch.arange(bsz)
         for s in range(bsz):
             csm.prefill(b.state, s, csm.build_prompt(text, 0))
