@@ -157,6 +157,9 @@ class ResponseFinished:
     metrics: dict[str, Any]
     metadata: dict[str, str] | None = None
     conversation: str = "auto"
+    # The text the audio sent covers (= spoken_transcript unless cut): a client's truncate at any
+    # position it received can only shorten it, so the item it sees never grows afterwards.
+    audio_transcript: str = ""
 
 
 @dataclass(frozen=True)
@@ -740,8 +743,9 @@ class AgentSession:
             self.on_turn(metrics)
         prompt = r.text_job.prompt_tokens if r.text_job is not None else 0
         completion = metrics["llm_tokens"] or 0
+        sent = r.text_at(r.audio_ms, self.chars_per_ms()) if interrupted else spoken
         self.emit(ResponseFinished(r.id, r.item_id, r.status or "completed", r.reason, r.text.strip(), spoken,
-                                   r.audio_ms, prompt, completion, metrics, r.metadata, r.conversation))
+                                   r.audio_ms, prompt, completion, metrics, r.metadata, r.conversation, sent))
         if self._reply_pending and not self.closed:
             self._reply_pending = False
             self.create_response(t_turn_end=self._speech_end_t, t_final=time.monotonic())

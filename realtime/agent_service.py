@@ -313,7 +313,9 @@ class OpenAIRealtimeSession:
             await self.send(oa.event("response.content_part.done", **common,
                                      part={"type": "audio", "transcript": ev.transcript}))
             item_status = "completed" if ev.status == "completed" else "incomplete"
-            item = oa.assistant_item(iid, item_status, ev.spoken_transcript)
+            # The item carries what its audio covers; the client's truncate then cuts it to what was
+            # heard (the server's own estimate of that is in the metrics and the LLM's history).
+            item = oa.assistant_item(iid, item_status, ev.audio_transcript)
             await self.send(oa.event("response.output_item.done", response_id=rid, output_index=0, item=item))
             await self.send(oa.event("conversation.item.done", previous_item_id=None, item=item))
             details = None
