@@ -190,6 +190,11 @@ def main() -> int:
         b = None  # free the caches before the next variant
         torch.cuda.empty_cache()
     use_kernels(True)
+    from realtime.kernels import gemv
+
+    res["gemv_measured"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in c.items()} for c in gemv.choices()]
+    for c in res["gemv_measured"]:
+        log(f"GEMV choice {c}")
     res["gpu_mem_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))

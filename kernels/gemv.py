@@ -6,8 +6,10 @@
 At batch 1 a decode step is all matrix-vector products, bound by reading the weights once. The
 CSM depth decoder's matrices are small (2-34 MB) and run ~600 times a frame, where a GEMM launch's
 latency, not bandwidth, sets the time; the fused SwiGLU also drops two elementwise kernels and the
-[M, 2I] intermediate. Whether this beats cuBLAS for a given shape is measured, not assumed:
-``faster_than_library`` times both inside CUDA graphs and the engines keep the winner per shape.
+[M, 2I] intermediate. Two kernels: elementwise FMAs (no matrix units), and one that pads the rows
+to 16 and uses tl.dot so Triton software-pipelines the K loop. Whether either beats cuBLAS for a
+shape is measured, not assumed: ``faster_than_library`` times cuBLAS and a few configurations
+inside CUDA graphs on weights read from HBM, and the engines keep the winner per shape.
 
 Numerics: float32 accumulation (another summation order than cuBLAS: not bit-equal, within the
 rounding of the output dtype); the bias is added in float32; for SwiGLU, gate and up are each
@@ -25,7 +27,7 @@ from torch import Tensor
 
 from ._triton import check, use_triton
 
-__all__ = ["MAX_M", "linear", "swiglu", "linear_ref", "swiglu_ref", "faster_than_library"]
+__all__ = ["MAX_M", "linear", "swiglu", "linear_ref", "swiglu_ref", "faster_than_library", "choices"]
 
 MAX_M = 4  # rows handled by the GEMV; more rows go to the library GEMM (the callers check)
 _TILE = 8192  # weight elements per program per K step (16 KB of bf16 in flight)
@@ -44,9 +46,23 @@ def swiglu_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 @functools.cache
 def _kernels():
-    global triton, tl  # the jit'd functions resolve `tl` through module globals
+    global triton, tl, _epilogue  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _epilogue(y, u, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+        # y, u [BLOCK_M, BLOCK_N] float32 sums of the gate (or only) and up products.
+        out_t = y_ptr.dtype.element_ty
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            if HAS_BIAS:
+                u += tl.load(b_ptr + N + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+            g = y.to(out_t).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(out_t).to(tl.float32)
+            y = s * u.to(out_t).to(tl.float32)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(out_t), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
     def _gemv_kernel(
@@ -63,6 +79,7 @@ def _kernels():
         BLOCK_K: tl.constexpr,
         K_STEPS: tl.constexpr,  # cdiv(K, BLOCK_K): a constexpr trip count (the CPU interpreter needs one)
     ):
+        # Elementwise products accumulated across K steps, reduced once at the end.
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -70,8 +87,6 @@ def _kernels():
         mm = rm < M
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         up_rows = w_rows + N.to(tl.int64) * stride_wn
-        # Products accumulate elementwise across K steps and are reduced once at the end: the
-        # loop body is loads and FMAs only.
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for i in range(K_STEPS):
@@ -84,31 +99,81 @@ def _kernels():
             if SWIGLU:
                 wu = tl.load(up_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
                 acc_up += x * wu.to(tl.float32)[None, :, :]
-        out_t = y_ptr.dtype.element_ty
-        y = tl.sum(acc, axis=2)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
-        if SWIGLU:
-            u = tl.sum(acc_up, axis=2)
-            if HAS_BIAS:
-                u += tl.load(b_ptr + N + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
-            g = y.to(out_t).to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(out_t).to(tl.float32)
-            y = s * u.to(out_t).to(tl.float32)
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(out_t), mask=mm[:, None] & nm[None, :])
+        _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym,
+                  HAS_BIAS, SWIGLU)
 
-    return _gemv_kernel
+    @triton.jit
+    def _gemv_dot_kernel(
+        x_ptr,  # *x [M, K] (M <= 16), row stride stride_xm, unit column stride
+        w_ptr,  # *w [N or 2N, K], row stride stride_wn, unit column stride
+        b_ptr,  # *bias [N or 2N] (read only when HAS_BIAS)
+        y_ptr,  # *y [M, N] output, row stride stride_ym
+        M, N, K,
+        stride_xm, stride_wn, stride_ym,
+        HAS_BIAS: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_STEPS: tl.constexpr,
+        DOT_F32: tl.constexpr,  # dot in float32 (float32 weights, or the CPU interpreter)
+    ):
+        # The rows padded to 16 and multiplied on the matrix units: the K loop is software-pipelined
+        # (num_stages), which keeps several weight tiles in flight per program.
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, 16)
+        nm = rn < N
+        mm = rm < M
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        up_rows = w_rows + N.to(tl.int64) * stride_wn
+        acc = tl.zeros([16, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([16, BLOCK_N], tl.float32)
+        for i in range(K_STEPS):
+            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            km = rk < K
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            if DOT_F32:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee" if DOT_F32 else "tf32")
+            if SWIGLU:
+                wu = tl.load(up_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                if DOT_F32:
+                    wu = wu.to(tl.float32)
+                acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee" if DOT_F32 else "tf32")
+        _epilogue(acc, acc_up, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS, SWIGLU)
+
+    return _gemv_kernel, _gemv_dot_kernel
 
 
-def _blocks(m: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): enough programs to cover the SMs (~128+), 16 KB of weights each step."""
-    block_m = triton.next_power_of_2(m)
+# A launch configuration: (kind, BLOCK_N, BLOCK_K, num_warps, num_stages); kind "fma" (elementwise)
+# or "dot" (matrix units, rows padded to 16).
+Config = tuple[str, int, int, int, int]
+
+
+def _default_config(n: int) -> Config:
+    """The elementwise kernel with enough programs to cover the SMs (~128+), 16 KB of weights a
+    step for one row (``_launch`` divides BLOCK_K by the padded row count)."""
     block_n = max(4, min(32, 1 << max(0, (n // 128).bit_length() - 1)))
-    block_k = max(32, _TILE // (block_n * block_m))
-    return block_m, block_n, block_k
+    return ("fma", block_n, max(32, _TILE // block_n), 8, 1)
 
 
-def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool) -> Tensor:
+def _candidates(n: int) -> list[Config]:
+    """What ``faster_than_library`` times for one row: the default and pipelined matrix-unit tiles."""
+    fma = _default_config(n)
+    return [fma, ("fma", max(4, fma[1] // 2), fma[2], 4, 1),
+            ("dot", 16, 128, 4, 4), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 4), ("dot", 64, 64, 4, 4)]
+
+
+_best: dict[tuple, Config] = {}  # per weight key: the fastest configuration measured
+
+
+def _key(w: Tensor, bias: Tensor | None, swiglu: bool) -> tuple:
+    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device)
+
+
+def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool, cfg: Config | None = None) -> Tensor:
     check(x.dim() == 2 and w.dim() == 2, f"x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
     m, k = x.shape
     check(1 <= m <= MAX_M, f"the GEMV takes 1..{MAX_M} rows, got {m}")
@@ -117,44 +182,56 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool)
     check(x.stride(-1) == 1 and w.stride(-1) == 1, "x and w need a unit stride over K")
     if bias is not None:
         check(bias.shape == (w.shape[0],) and bias.is_contiguous(), f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
-    kernel = _kernels()
+    fma_kernel, dot_kernel = _kernels()
     y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
-    bm, bn, bk = _blocks(m, n_out)
-    kernel[(triton.cdiv(n_out, bn),)](
-        x, w, bias if bias is not None else w, y, m, n_out, k,
-        x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(k, bk),
-        num_warps=8,
-    )
+    if cfg is None:
+        cfg = _best.get(_key(w, bias, swiglu)) or _default_config(n_out)
+    kind, bn, bk, warps, stages = cfg
+    args = (x, w, bias if bias is not None else w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(0))
+    grid = (triton.cdiv(n_out, bn),)
+    if kind == "dot":
+        # The CPU interpreter multiplies bf16 dot operands as raw bits: it dots in float32.
+        f32 = x.dtype == torch.float32 or not x.is_cuda
+        dot_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk,
+                         K_STEPS=triton.cdiv(k, bk), DOT_F32=f32, num_warps=warps, num_stages=stages)
+    else:
+        bm = triton.next_power_of_2(m)
+        bk = max(32, bk // bm)  # the same registers for more rows
+        fma_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         K_STEPS=triton.cdiv(k, bk), num_warps=warps, num_stages=stages)
     return y
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] (M <= MAX_M), w [N, K], bias [N] or None -> x @ w.T + bias [M, N] in x's dtype."""
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None) -> Tensor:
+    """x [M, K] (M <= MAX_M), w [N, K], bias [N] or None -> x @ w.T + bias [M, N] in x's dtype.
+
+    ``config`` forces a launch configuration (tests); by default the one ``faster_than_library``
+    measured fastest for this weight's shape, else the elementwise kernel's default."""
     if not use_triton("gemv", x, w):
         return linear_ref(x, w, bias)
-    return _launch(x, w, bias, w.shape[0], swiglu=False)
+    return _launch(x, w, bias, w.shape[0], False, config)
 
 
-def swiglu(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+def swiglu(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None) -> Tensor:
     """x [M, K] (M <= MAX_M), w [2I, K] = [gate | up], bias [2I] or None -> silu(gate) * up [M, I]."""
     if not use_triton("gemv", x, w):
         return swiglu_ref(x, w, bias)
     check(w.shape[0] % 2 == 0, f"w must stack gate and up rows (2I), got {w.shape[0]} rows")
-    return _launch(x, w, bias, w.shape[0] // 2, swiglu=True)
+    return _launch(x, w, bias, w.shape[0] // 2, True, config)
 
 
-def _graph_time(fn, reps: int = 20, rounds: int = 5) -> float:
-    """Median seconds of one ``fn()`` replayed ``reps`` times inside a CUDA graph (no launch gaps)."""
-    fn()
+def _graph_time(fns: list, rounds: int = 5) -> float:
+    """Median seconds per call of the ``fns`` replayed in turn inside one CUDA graph (no launch gaps)."""
+    for fn in fns[:2]:
+        fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        fns[0]()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(reps):
+        for fn in fns:
             fn()
     graph.replay()
     times = []
@@ -164,25 +241,53 @@ def _graph_time(fn, reps: int = 20, rounds: int = 5) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
+        times.append(start.elapsed_time(end) / 1e3 / len(fns))
     return sorted(times)[len(times) // 2]
 
 
-_choice: dict[tuple, bool] = {}
+_L2_FLUSH_BYTES = 192 << 20  # > 3x the H100/H200 L2: the timed weights come from HBM, as in a decode step
 
 
 def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = False) -> bool:
     """Whether the GEMV (optionally with SwiGLU) beats the library path for one row on this weight.
 
-    Timed once per (shape, dtype, bias, swiglu, device) inside CUDA graphs on random inputs, and
-    cached; False off CUDA or without Triton. Call outside graph capture (it synchronizes).
+    Times cuBLAS (+ silu * mul) and each candidate configuration once per (shape, dtype, bias,
+    swiglu, device) inside CUDA graphs, cycling over enough copies of the weight that it is read
+    from HBM (a decode step's weights do not stay in L2), and keeps the fastest configuration for
+    ``linear``/``swiglu``. False off CUDA or without Triton. Call outside graph capture (it syncs).
     """
     if not w.is_cuda or not use_triton("gemv", w):
         return False
-    key = (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device)
+    _kernels()
+    key = _key(w, bias, swiglu)
     if key not in _choice:
+        copies = max(2, min(64, -(-_L2_FLUSH_BYTES // (w.numel() * w.element_size()))))
+        ws = [w] + [w.clone() for _ in range(copies - 1)]
         x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
-        ours = (lambda: _launch(x, w, bias, w.shape[0] // 2, True)) if swiglu else (lambda: _launch(x, w, bias, w.shape[0], False))
-        lib = (lambda: swiglu_ref(x, w, bias)) if swiglu else (lambda: linear_ref(x, w, bias))
-        _choice[key] = _graph_time(ours) < _graph_time(lib)
+        n_out = w.shape[0] // 2 if swiglu else w.shape[0]
+        ref = swiglu_ref if swiglu else linear_ref
+        lib = _graph_time([lambda wi=wi: ref(x, wi, bias) for wi in ws])
+        best, best_t = None, lib
+        for cfg in _candidates(n_out):
+            try:
+                t = _graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg) for wi in ws])
+            except Exception:  # a configuration that does not compile or launch here is skipped
+                continue
+            if t < best_t:
+                best, best_t = cfg, t
+        del ws
+        _choice[key] = best is not None
+        if best is not None:
+            _best[key] = best
+        _timings[key] = {"library_us": lib * 1e6, "best_us": best_t * 1e6, "config": best}
     return _choice[key]
+
+
+_choice: dict[tuple, bool] = {}
+_timings: dict[tuple, dict] = {}  # what the choice measured (benchmarks print it)
+
+
+def choices() -> list[dict]:
+    """The measured choices so far: shape, swiglu, library and best GEMV time (µs), configuration."""
+    return [{"shape": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "bias": k[2], "swiglu": k[3], **v,
+             "gemv": _choice[k]} for k, v in _timings.items()]

@@ -187,12 +187,13 @@ def test_gemv_linear_and_swiglu(cpu_kernels, case, dtype):
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)
     bias = torch.randn(2 * n, generator=g).to(dtype)
-    for b in (None, bias):
-        y = gemv.linear(x, w, b)
+    for b, cfg in ((None, None), (bias, None), (bias, ("dot", 16, 64, 4, 2)), (None, ("dot", 32, 128, 4, 2)),
+                   (bias, ("fma", 8, 256, 4, 1))):
+        y = gemv.linear(x, w, b, cfg)
         assert y.shape == (m, 2 * n) and y.dtype == dtype
         # float32 accumulation in another order than the reference: rounding-level differences
         _close(y, gemv.linear_ref(x.double(), w.double(), None if b is None else b.double()), dtype)
-        a = gemv.swiglu(x, w, b)
+        a = gemv.swiglu(x, w, b, cfg)
         assert a.shape == (m, n) and a.dtype == dtype
         _close(a, gemv.swiglu_ref(x.double(), w.double(), None if b is None else b.double()), dtype)
     # a strided row view (the engine passes slices) and a weight slice of a bigger tensor
@@ -393,9 +394,11 @@ for dt in ("bf16", "fp32"):
          dict(HALF=32, BLOCK_HALF=32, BLOCK_H=32), 4)
     comp(rot_cache, dict(qkv_ptr=f"*{dt}", cos_ptr=f"*{dt}", sin_ptr=f"*{dt}", pos_ptr="*i64", slots_ptr="*i64",
          qo_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}"), dict(HALF=32, BLOCK_HALF=32), 1)
+    fma, dot = gemv._kernels()
     for swiglu in (False, True):
-        comp(gemv._kernels(), dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr=f"*{dt}"),
-             dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, K_STEPS=4), 8)
+        sig = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr=f"*{dt}")
+        comp(fma, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, K_STEPS=4), 8)
+        comp(dot, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_N=32, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
     split, merge = decode_attention._kernels()
     comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
          acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
@@ -534,8 +537,11 @@ def test_gpu_gemv(dtype):
         assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
         eager, replay = _graph(lambda: gemv.swiglu(x, w, b))
         assert torch.equal(eager, replay)
-        print(f"\nswiglu {dtype} [{n}, {k}]: gemv {gemv._graph_time(lambda: gemv.swiglu(x, w, b)) * 1e6:.1f} us, "
-              f"cuBLAS + silu*mul {gemv._graph_time(lambda: gemv.swiglu_ref(x, w, b)) * 1e6:.1f} us")
+        for cfg in gemv._candidates(n // 2):  # every configuration the choice may pick computes the same
+            got = gemv.swiglu(x, w, b, cfg)
+            assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
+        gemv.faster_than_library(w, b, swiglu=True)
+    print("\n" + "\n".join(str(c) for c in gemv.choices()))
 
 
 @pytest.mark.gpu
