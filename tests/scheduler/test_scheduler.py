@@ -157,3 +157,85 @@ def test_a_failing_lane_fails_its_jobs_not_the_worker() -> None:
         assert good_job.state is JobState.FINISHED
     finally:
         sched.stop()
+
+
+def test_output_channel_wakes_producers_only_when_it_refused_one() -> None:
+    import asyncio
+
+    from realtime.scheduler import OutputChannel
+
+    async def run() -> list[str]:
+        woke: list[str] = []
+        ch = OutputChannel(capacity=4, wake_on_refusal=True)
+        ch.bind(asyncio.get_running_loop(), asyncio.Event())
+        ch.put("a")
+        await ch.drain(lambda: woke.append("a"))  # room was never short: no wake
+        for x in "bcd":
+            ch.put(x)
+        assert not ch.has_room(1)  # a producer is held back ...
+        assert await ch.drain(lambda: woke.append("d")) == ["b", "c", "d"]  # ... so this take wakes it
+        assert ch.has_room(1)
+        ch.put("e")
+        await ch.drain(lambda: woke.append("e"))
+        every = OutputChannel(capacity=4)  # the default: wake after every non-empty take
+        every.bind(asyncio.get_running_loop(), asyncio.Event())
+        every.put("f")
+        await every.drain(lambda: woke.append("f"))
+        return woke
+
+    assert asyncio.run(run()) == ["d", "f"]
+
+
+def test_output_channel_puts_share_one_cross_thread_wake_up() -> None:
+    from realtime.scheduler import OutputChannel
+
+    class Loop:
+        calls: list = []
+
+        def call_soon_threadsafe(self, fn) -> None:  # noqa: ANN001
+            self.calls.append(fn)
+
+    class Event:
+        sets = 0
+
+        def set(self) -> None:
+            Event.sets += 1
+
+    ch, loop = OutputChannel(), Loop()
+    ch.bind(loop, Event())
+    for i in range(5):
+        ch.put(i)
+    assert len(loop.calls) == 1  # one wake-up on its way covers every item put before it runs
+    loop.calls.pop()()
+    assert Event.sets == 1
+    ch.put(5)
+    ch.close()
+    assert len(loop.calls) == 1 and ch.take() == list(range(6))
+
+
+def test_a_lane_wakes_only_the_worker_it_names() -> None:
+    sched = Scheduler({"generator": "cpu", "codec": "cpu"})
+    gen = sched.add_lane(FakeLane("gen", worker="generator"))
+    gen.wake("codec")
+    assert sched.workers["codec"]._pending and not sched.workers["generator"]._pending
+    gen.wake()
+    assert sched.workers["generator"]._pending
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_workers_accept_a_bare_or_indexed_device(device: str) -> None:
+    """`--generator-device cuda` (no index) runs on the current device; it once killed the workers."""
+    sched = Scheduler({"generator": device, "codec": device})
+    lane = FakeLane("gen", worker="generator")
+    sched.add_lane(lane)
+    job = FakeJob(time.monotonic(), work=2)
+    sched.submit(job, [lane])
+    sched.start()
+    try:
+        deadline = time.monotonic() + 5
+        while sched.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.ran == 2 and job.state is JobState.FINISHED
+    finally:
+        sched.stop()
