@@ -70,6 +70,7 @@ def _kernels():
         BLOCK_N: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
+        DIRECT: tl.constexpr,  # one split: normalise and write out[B, H, D] (acc_ptr) here, no merge
     ):
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
@@ -114,6 +115,11 @@ def _kernels():
                 acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
                 m_i = m_new
 
+        if DIRECT:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (the merge kernel's zero-length guard)
+            tl.store(acc_ptr + (b * H + heads)[:, None] * D + d[None, :], out.to(acc_ptr.dtype.element_ty),
+                     mask=gm[:, None] & dm[None, :])
+            return
         row = (b * H + heads) * NUM_SPLITS + split  # [BLOCK_G]
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None] & dm[None, :])
         tl.store(ml_ptr + row * 2, m_i, mask=gm)
@@ -201,8 +207,9 @@ def decode_attention(
         dot_dtype, precision = tl.float32, "ieee"
     else:
         dot_dtype, precision = (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"
-    acc = torch.empty((b, h, ns, d), device=q.device, dtype=torch.float32)
-    ml = torch.empty((b, h, ns, 2), device=q.device, dtype=torch.float32)
+    direct = ns == 1  # one split (short caches, e.g. CSM's depth decoder): no partials, no merge launch
+    acc = out if direct else torch.empty((b, h, ns, d), device=q.device, dtype=torch.float32)
+    ml = acc if direct else torch.empty((b, h, ns, 2), device=q.device, dtype=torch.float32)
     split_kernel[(b, hkv, ns)](
         q, k_cache, v_cache, slots, lengths, acc, ml, float(scale) * math.log2(math.e), tmax,
         q.stride(0), q.stride(1),
@@ -210,8 +217,10 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=h, G=g, D=d, CHUNK=chunk, NUM_SPLITS=ns,
         BLOCK_G=max(16, triton.next_power_of_2(g)),  # tl.dot needs M >= 16
-        BLOCK_D=block_d, BLOCK_N=_BLOCK_N, DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4,
+        BLOCK_D=block_d, BLOCK_N=_BLOCK_N, DOT_DTYPE=dot_dtype, PRECISION=precision, DIRECT=direct, num_warps=4,
     )
+    if direct:
+        return out
     merge_kernel[(b * h,)](
         acc, ml, out, D=d, NUM_SPLITS=ns, BLOCK_SPLITS=triton.next_power_of_2(ns), BLOCK_D=block_d, num_warps=4,
     )

@@ -403,7 +403,13 @@ for dt in ("bf16", "fp32"):
     comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
          acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
          dict(H=32, G=4, D=64, CHUNK=128, NUM_SPLITS=16, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
-              DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee"), 4)
+              DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
+              DIRECT=False), 4)
+    comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
+         acc_ptr=f"*{dt}", ml_ptr=f"*{dt}", qk_scale="fp32"),
+         dict(H=8, G=4, D=64, CHUNK=64, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
+              DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
+              DIRECT=True), 4)
     comp(merge, dict(acc_ptr="*fp32", ml_ptr="*fp32", o_ptr=f"*{dt}"), dict(D=64, NUM_SPLITS=16, BLOCK_SPLITS=16, BLOCK_D=64), 4)
     big, small = sampling._kernels()
     sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
