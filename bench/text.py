@@ -260,6 +260,13 @@ def main() -> int:
               f"{r['tokens_per_s'] / floor:>11.2f} {'' if ag is None else f'{ag:.2f}':>6}")
     print(f"bandwidth floor at batch 1: {floor:.0f} tok/s ({results['weight_bytes_per_step'] / 1e9:.3f} GB/step at "
           f"{results['copy_bandwidth_GBps']:.0f} GB/s)")
+    from realtime.kernels import gemv
+
+    # the per-shape GEMV-or-cuBLAS choices the engine measured at load (see kernels/gemv.py)
+    results["gemv_measured"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in c.items()}
+                                for c in gemv.choices()]
+    for c in results["gemv_measured"]:
+        print(f"GEMV choice {c}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
