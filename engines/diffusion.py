@@ -265,7 +265,8 @@ class DiTEngine:
 
     @property
     def image_size(self) -> int:
-        return self.dit.cfg.sample_size * 8
+        """Pixels per side of a decoded image: the kl-f8 VAE upsamples 2x per up block after the first."""
+        return self.dit.cfg.sample_size * 2 ** (len(self.vae.cfg.block_out_channels) - 1)
 
     def _coefs(self, sampler: str, n: int) -> tuple[torch.Tensor, float]:
         key = (sampler, n)
@@ -302,12 +303,19 @@ class DiTEngine:
         num_steps: int = 50,
         guidance_scale: float = 4.0,
         sampler: str = "ddim",
+        noise: torch.Tensor | None = None,
     ) -> None:
-        """Re-arm a state for a new request, writing into its existing latent buffers."""
+        """Re-arm a state for a new request, writing into its existing latent buffers.
+
+        noise: unit-variance initial noise [C, S, S] float32 (CPU); default ``randn`` from ``seed``
+        (a clip engine passes its own temporally correlated noise here).
+        """
         self._validate(class_label, num_steps, guidance_scale, sampler)
         coefs, init_sigma = self._coefs(sampler, int(num_steps))
-        gen = torch.Generator("cpu").manual_seed(int(seed))
-        noise = torch.randn((1, *self.latent_shape), generator=gen, dtype=torch.float32)[0]
+        if noise is None:
+            gen = torch.Generator("cpu").manual_seed(int(seed))
+            noise = torch.randn((1, *self.latent_shape), generator=gen, dtype=torch.float32)[0]
+        assert noise.shape == self.latent_shape, f"noise {tuple(noise.shape)}, expected {self.latent_shape}"
         if init_sigma != 1.0:
             noise = noise * init_sigma
         state.latents.copy_(noise)

@@ -34,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
         tts_slots=args.tts_slots, cuda_graphs=not args.eager,
         text_slots=args.text_slots, text_context=args.text_context,
         asr_model=args.asr_model, text_model=args.text_model, image_model=args.image_model,
+        video_model=args.video_model,
         enable_asr=not args.no_asr and _have("realtime.asr_service"),
         enable_text=not args.no_text and _have("realtime.text_service"),
     )
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--asr-model", default=None, help="Whisper folder (HF or CTranslate2); default: embedded tiny.en")
     s.add_argument("--text-model", default=None, help="Llama/Qwen3 folder or .gguf; default: embedded SmolLM2")
     s.add_argument("--image-model", default=None, help="DiT folder with transformer/ and vae/")
+    s.add_argument("--video-model", default=None,
+                   help="/v1/video: a checkpoint folder (a DiT folder runs frame by frame; needs realtime[video])")
     s.add_argument("--no-asr", action="store_true", help="do not serve speech recognition")
     s.add_argument("--no-text", action="store_true", help="do not serve text generation")
     s.add_argument("--tts-slots", type=int, default=16, help="CSM: concurrent streams (KV-cache slots)")

@@ -25,6 +25,7 @@ class ServerConfig:
     asr_model: str | None = None  # None: embedded Whisper tiny.en (when enabled)
     text_model: str | None = None  # None: embedded SmolLM2 (when enabled)
     image_model: str | None = None
+    video_model: str | None = None  # /v1/video: a checkpoint folder; a DiT folder runs frame by frame
     text_slots: int | None = None  # text decode: concurrent requests with a KV-cache slot (default per device)
     text_context: int | None = None  # text decode: tokens per slot
     enable_asr: bool = False

@@ -16,8 +16,9 @@ takes effect before the next step (the scheduler reaps cancelled jobs between st
 step already running finishes.
 
 Routes: WebSocket /v1/image (realtime/protocol/image.py, docs/image.md), POST /v1/images/generations
-(OpenAI-style, non-streaming), WebSocket /v1/video (the same protocol; answers ``unsupported`` until
-a video model exists).
+(OpenAI-style, non-streaming). /v1/video is the same session, lane and encoders over a clip engine
+(realtime/video_service.py, which overrides the lane's media hooks); without ``--video-model`` this
+service answers it with ``unsupported``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,7 +54,6 @@ from realtime.sessions import StreamSession
 
 if TYPE_CHECKING:
     from realtime.config import ServerConfig
-    from realtime.engines.diffusion import DiTEngine, ImageState
     from realtime.scheduler import Scheduler
     from realtime.server import AppState
     from realtime.sessions import Connection
@@ -71,14 +71,17 @@ YIELD_MAX_S = 0.25
 class Preview:
     step: int
     of: int
-    data: bytes  # JPEG
+    data: bytes  # JPEG (a frame strip for video)
     ms: float
+    fields: dict[str, Any] = field(default_factory=dict)  # extra message fields (video: frames)
 
 
 @dataclass
 class Final:
-    data: bytes  # PNG
+    data: bytes  # PNG (MP4 for video)
     ms: float
+    key: str = "image"  # the message field that carries data ("video" for an MP4)
+    fields: dict[str, Any] = field(default_factory=dict)  # extra message fields (video: frames, fps)
 
 
 class _End:
@@ -89,7 +92,8 @@ END = _End()
 
 
 class ImageJob(Job):
-    """One image request. ``dit`` is its engine state (a pooled ImageState, taken on the first step)."""
+    """One image (or clip) request. ``dit`` is its engine state (a pooled ImageState, or ClipState for
+    video), taken on the first step."""
 
     priority = Priority.BACKGROUND
 
@@ -99,7 +103,7 @@ class ImageJob(Job):
         self.seed = seed
         self.session = session
         self.output = OutputChannel(capacity=OUTPUT_CAPACITY)
-        self.dit: ImageState | None = None
+        self.dit: Any = None
         self.steps = 0  # denoising steps finished
         self.stepped_all = False
         self.pending = 0  # encodes queued on the encoder thread (counted against the channel's room)
@@ -136,8 +140,12 @@ def _to_u8(img: torch.Tensor) -> torch.Tensor:
 
 
 class DiTStepLane(Lane):
+    """One batched denoising step over every ready request. The media hooks at the end (arm, pixels,
+    encoders) are what differs between images and clips; VideoStepLane overrides them."""
+
     name = "dit.step"
     worker = "generator"
+    final_field = "image"
 
     def __init__(self, svc: "ImageService") -> None:
         super().__init__()
@@ -166,26 +174,25 @@ class DiTStepLane(Lane):
         sched = self.svc.scheduler
         if sched is not None:
             horizon = now + BACKGROUND_SLACK_S
+            # other DiT lanes (image next to video) hold only BACKGROUND jobs, and asking them would
+            # recurse into their own speech_due
             due = any(j.priority is Priority.REALTIME and j.deadline(now) < horizon
-                      for lane in sched.lanes() if lane is not self for j in lane.ready_jobs())
+                      for lane in sched.lanes() if not isinstance(lane, DiTStepLane) for j in lane.ready_jobs())
         self._due_at, self._due = now, due
         return due
 
     def run(self, jobs: list[ImageJob]) -> None:  # type: ignore[override]
-        from realtime.engines.diffusion import to_jpeg, to_png
-
         svc, eng = self.svc, self.svc.engine
         assert eng is not None
         t0 = time.perf_counter()
-        live: list[tuple[ImageJob, ImageState]] = []
+        live: list[tuple[ImageJob, Any]] = []
         for job in jobs:
             if not job.active:  # cancelled since the pick: do not take a state it would never return
                 continue
             if job.dit is None:
-                p = job.params
                 st = svc.take_state()
                 try:
-                    eng.reset_state(st, p.class_label, job.seed, p.steps, p.guidance, p.sampler)
+                    self.arm(st, job)
                 except RealtimeError as exc:  # bad input found late fails this request only
                     svc.give_state(st)
                     job.fail(exc)
@@ -202,8 +209,8 @@ class DiTStepLane(Lane):
             # or a speech kernel submitted next would wait behind all of them.
             svc.sync()
         step_ms = (time.perf_counter() - t0) * 1000.0
-        want_preview: dict[str, list[tuple[ImageJob, ImageState]]] = {}
-        finals: list[tuple[ImageJob, ImageState]] = []
+        want_preview: dict[str, list[tuple[ImageJob, Any]]] = {}
+        finals: list[tuple[ImageJob, Any]] = []
         for job, st in live:
             job.steps = st.step_index
             job.step_ms.append(step_ms)
@@ -214,28 +221,27 @@ class DiTStepLane(Lane):
             elif every and st.step_index % every == 0:
                 want_preview.setdefault(job.params.preview, []).append((job, st))
         for kind, group in want_preview.items():
-            pix = _to_u8(eng.preview([st for _, st in group], kind))
+            pix = self.preview_pixels([st for _, st in group], kind)
             for (job, st), img in zip(group, pix, strict=True):
-                size, step, of = job.params.preview_size, st.step_index, st.num_steps
-                svc.encode(job, lambda job=job, img=img, size=size, step=step, of=of:
-                           self._put_preview(job, to_jpeg(img, size), step, of))
+                step, of = st.step_index, st.num_steps
+                svc.encode(job, lambda job=job, img=img, step=step, of=of:
+                           self._put_preview(job, *self.encode_preview(job, img), step, of))
         if finals:
-            pix = _to_u8(eng.decode(torch.stack([st.latents for _, st in finals])))
+            pix = self.final_pixels([st for _, st in finals])
             for (job, _), img in zip(finals, pix, strict=True):
-                svc.encode(job, lambda job=job, img=img: self._put_final(job, to_png(img)))
+                svc.encode(job, lambda job=job, img=img: self._put_final(job, *self.encode_final(job, img)))
 
     @staticmethod
-    def _put_preview(job: ImageJob, data: bytes, step: int, of: int) -> None:
+    def _put_preview(job: ImageJob, data: bytes, fields: dict[str, Any], step: int, of: int) -> None:
         ms = job.ms()
         if job.first_preview_ms is None:
             job.first_preview_ms = ms
         job.previews += 1
-        job.output.put(Preview(step, of, data, ms))
+        job.output.put(Preview(step, of, data, ms, fields))
 
-    @staticmethod
-    def _put_final(job: ImageJob, data: bytes) -> None:
+    def _put_final(self, job: ImageJob, data: bytes, fields: dict[str, Any]) -> None:
         job.total_ms = job.ms()
-        job.output.put(Final(data, job.total_ms))
+        job.output.put(Final(data, job.total_ms, self.final_field, fields))
         job.output.put(END)
         with job.lock:
             if job.active:
@@ -247,21 +253,54 @@ class DiTStepLane(Lane):
         if st is not None:
             self.svc.give_state(st)
 
+    # ------------------------------------------------------------------ media hooks
+
+    def arm(self, st: Any, job: ImageJob) -> None:
+        """Reset a pooled engine state for ``job`` (worker thread; bad input raises RealtimeError)."""
+        p = job.params
+        self.svc.engine.reset_state(st, p.class_label, job.seed, p.steps, p.guidance, p.sampler)
+
+    def preview_pixels(self, states: list[Any], kind: str) -> list[torch.Tensor]:
+        """Per state, its preview as uint8 on the host: [3, h, w] (worker thread, one copy)."""
+        return list(_to_u8(self.svc.engine.preview(states, kind)))
+
+    def final_pixels(self, states: list[Any]) -> list[torch.Tensor]:
+        """Per finished state, the decoded image as uint8 on the host: [3, H, W] (worker thread)."""
+        return list(_to_u8(self.svc.engine.decode(torch.stack([st.latents for st in states]))))
+
+    @staticmethod
+    def encode_preview(job: ImageJob, img: torch.Tensor) -> tuple[bytes, dict[str, Any]]:
+        """(JPEG, extra message fields), on an encoder thread."""
+        from realtime.engines.diffusion import to_jpeg
+
+        return to_jpeg(img, job.params.preview_size), {}
+
+    @staticmethod
+    def encode_final(job: ImageJob, img: torch.Tensor) -> tuple[bytes, dict[str, Any]]:
+        """(PNG, extra message fields), on an encoder thread."""
+        from realtime.engines.diffusion import to_png
+
+        return to_png(img), {}
+
 
 class ImageService(Service):
-    """DiT class-conditional image generation: /v1/image, /v1/images/generations, /v1/video."""
+    """DiT class-conditional image generation: /v1/image, /v1/images/generations (and /v1/video's
+    ``unsupported`` answer when no video service runs)."""
 
     name = "image"
+    kind = "image"
+    lane_class: type[DiTStepLane] = DiTStepLane
 
     def __init__(self, config: "ServerConfig", max_batch: int = 16) -> None:
         self.config = config
         self.max_batch = max_batch
-        self.engine: DiTEngine | None = None
+        self.engine: Any = None  # DiTEngine here, a VideoEngine in VideoService
         self.info: proto.ModelInfo | None = None
+        self.unavailable: str | None = None  # why no model serves this kind (told to clients)
         self.lane: DiTStepLane | None = None
         self.scheduler: Scheduler | None = None
         self.sync: Callable[[], None] | None = None
-        self._free: list[ImageState] = []
+        self._free: list[Any] = []
         self._free_lock = threading.Lock()
         self._encoders: list[ThreadPoolExecutor] = []
         self.recent: deque[ImageJob] = deque(maxlen=32)  # for tests and diagnostics
@@ -279,33 +318,42 @@ class ImageService(Service):
         self.engine = DiTEngine.from_pretrained(self.config.image_model, device=self.config.generator_device,
                                                 dtype=dtype)
         eng = self.engine
-        # the kl-f8 VAE upsamples 2x per up block after the first (8x for the SD VAE)
-        scale = 2 ** (len(eng.vae.cfg.block_out_channels) - 1)
-        self.info = proto.ModelInfo(image_size=eng.dit.cfg.sample_size * scale, num_classes=eng.dit.cfg.num_classes,
+        self.info = proto.ModelInfo(image_size=eng.image_size, num_classes=eng.dit.cfg.num_classes,
                                     has_taesd=eng.preview_decoder is not None,
                                     max_steps=min(proto.MAX_STEPS, eng.schedule.num_train_timesteps))
-        if str(self.config.generator_device).startswith("cuda"):
-            self.sync = lambda: torch.cuda.current_stream().synchronize()
-        self._encoders = [ThreadPoolExecutor(1, thread_name_prefix=f"image-encode-{i}")
-                          for i in range(ENCODER_THREADS)]
+        self._start_workers()
         log.info("loaded DiT (%d layers, %dpx) from %s in %.1fs", eng.dit.cfg.num_layers, self.info.image_size,
                  self.config.image_model, time.perf_counter() - t0)
 
+    def _start_workers(self) -> None:
+        """After a model loaded: the per-step device sync (CUDA) and the encoder threads."""
+        if str(self.config.generator_device).startswith("cuda"):
+            self.sync = lambda: torch.cuda.current_stream().synchronize()
+        self._encoders = [ThreadPoolExecutor(1, thread_name_prefix=f"{self.kind}-encode-{i}")
+                          for i in range(ENCODER_THREADS)]
+
     def attach(self, scheduler: "Scheduler") -> None:
         self.scheduler = scheduler
-        self.lane = scheduler.add_lane(DiTStepLane(self))  # type: ignore[assignment]
+        self.lane = scheduler.add_lane(self.lane_class(self))  # type: ignore[assignment]
 
     def warmup(self) -> None:
-        eng = self.engine
-        assert eng is not None and self.info is not None
+        """One 2-step request through the lane's hooks, encoders included (ffmpeg's first start too)."""
+        eng, lane, info = self.engine, self.lane, self.info
+        if eng is None:
+            return
+        assert lane is not None and info is not None
         t0 = time.perf_counter()
+        preview = "taesd" if info.has_taesd else "latent2rgb"
+        job = ImageJob(proto.ImageParams(class_label=0, steps=2, guidance=4.0, seed=0, size=info.image_size,
+                                         preview_every=1, preview_size=info.image_size, sampler="ddim",
+                                         preview=preview, frames=2, fps=8), seed=0)
         st = self.take_state()
-        eng.reset_state(st, 0, 0, 2, 4.0, "ddim")
+        lane.arm(st, job)
         eng.step_batch([st])
-        _to_u8(eng.preview([st], "taesd" if self.info.has_taesd else "latent2rgb"))
-        _to_u8(eng.decode(st.latents[None]))
+        lane.encode_preview(job, lane.preview_pixels([st], preview)[0])
+        lane.encode_final(job, lane.final_pixels([st])[0])
         self.give_state(st)
-        log.info("warmed up DiT in %.2fs", time.perf_counter() - t0)
+        log.info("warmed up %s in %.2fs", self.kind, time.perf_counter() - t0)
 
     def describe(self) -> list[dict[str, Any]]:
         if self.info is None:
@@ -316,7 +364,7 @@ class ImageService(Service):
 
     # ------------------------------------------------------------------ worker helpers
 
-    def take_state(self) -> "ImageState":
+    def take_state(self) -> Any:
         """A pooled engine state (reset by the caller), or a new one when the pool is empty."""
         with self._free_lock:
             if self._free:
@@ -324,7 +372,7 @@ class ImageService(Service):
         assert self.engine is not None
         return self.engine.new_state(0, 0, 1, 1.0, "ddim")
 
-    def give_state(self, st: "ImageState") -> None:
+    def give_state(self, st: Any) -> None:
         with self._free_lock:
             self._free.append(st)
 
@@ -365,7 +413,7 @@ class ImageService(Service):
         async def image_ws(ws: WebSocket) -> None:
             await run_websocket(state(), ws, lambda st, conn: ImageSession(st, conn, self, "image").run())
 
-        async def video_ws(ws: WebSocket) -> None:
+        async def video_ws(ws: WebSocket) -> None:  # no video service: start answers 'unsupported'
             await run_websocket(state(), ws, lambda st, conn: ImageSession(st, conn, self, "video").run())
 
         async def generations(request: Request) -> Response:
@@ -381,8 +429,11 @@ class ImageService(Service):
                 return http_error(exc, 400)
             return await self._generate_http(st, params, n)
 
-        return [WebSocketRoute("/v1/image", image_ws), WebSocketRoute("/v1/video", video_ws),
-                Route("/v1/images/generations", generations, methods=["POST"])]
+        routes: list[BaseRoute] = [WebSocketRoute("/v1/image", image_ws),
+                                   Route("/v1/images/generations", generations, methods=["POST"])]
+        if not self.config.video_model:  # else VideoService owns /v1/video
+            routes.append(WebSocketRoute("/v1/video", video_ws))
+        return routes
 
     async def _generate_http(self, st: "AppState", params: proto.ImageParams, n: int) -> Response:
         from dataclasses import replace
@@ -437,8 +488,9 @@ class ImageSession(StreamSession):
         self.conn = conn
         self.svc = svc
         self.kind = kind
-        # no video engine exists yet: the protocol answers start with 'unsupported'
-        self.proto = proto.ImageProtocol(svc.info if kind == "image" else None, kind)
+        # no model of this kind here (e.g. /v1/video on the image service): start answers 'unsupported'
+        info = svc.info if svc.kind == kind else None
+        self.proto = proto.ImageProtocol(info, kind, unavailable=svc.unavailable if svc.kind == kind else None)
         self.job: ImageJob | None = None
         self.id = uuid.uuid4().hex[:16]
         self.sender: asyncio.Task[None] | None = None
@@ -470,8 +522,10 @@ class ImageSession(StreamSession):
         self.svc.submit(job)  # OverloadedError → error + 1013
         self.job = job
         self.app.metrics.streams.inc()
-        await self.conn.send(proto.ready(self.id, params.steps, params.size, seed=job.seed,
-                                         preview=params.preview, preview_size=params.preview_size))
+        p = job.params  # the service may have adjusted it (video: the strip's frame size)
+        clip = {"frames": p.frames, "fps": p.fps} if self.kind == "video" else {}
+        await self.conn.send(proto.ready(self.id, p.steps, p.size, seed=job.seed, preview=p.preview,
+                                         preview_size=p.preview_size, **clip))
         self.sender = asyncio.create_task(self._send_loop(), name=f"image-send-{self.id}")
 
     async def _send_loop(self) -> None:
@@ -481,9 +535,9 @@ class ImageSession(StreamSession):
             items = await job.output.drain(self.app.scheduler.wake)  # room freed: the lane may step again
             for item in items:
                 if isinstance(item, Preview):
-                    await self.conn.send(proto.preview(item.step, item.of, item.data, item.ms))
+                    await self.conn.send(proto.preview(item.step, item.of, item.data, item.ms, **item.fields))
                 elif isinstance(item, Final):
-                    await self.conn.send(proto.final(item.data, item.ms))
+                    await self.conn.send(proto.final(item.data, item.ms, field=item.key, **item.fields))
                 elif item is END:
                     self.proto.finished()
                     await self.conn.send(m.done(job.stats()))

@@ -88,6 +88,10 @@ def default_services(config: ServerConfig) -> list[Service]:
         from realtime.image_service import ImageService
 
         out.append(ImageService(config))
+    if config.video_model:
+        from realtime.video_service import VideoService
+
+        out.append(VideoService(config))
     if config.enable_asr and config.enable_text:
         from realtime.agent_service import AgentService
 

@@ -9,8 +9,9 @@ One request per connection. States::
 
 Client → server: ``start`` (see ``parse_start``), ``cancel``. Server → client: ``ready``, ``preview``
 (per ``preview_every`` steps), ``final``, ``done``, ``error`` (docs/image.md). /v1/video is the same
-session with ``video`` in place of ``image``: previews are JPEG frame strips, the final is an MP4;
-``parse_start(..., kind="video")`` checks its extra fields (``frames``, ``fps``).
+session: previews are JPEG frame strips (``preview {image, frames}``), the final is an MP4
+(``final {video, frames, fps}``); ``parse_start(..., kind="video")`` checks its extra fields
+(``frames`` up to the model's ``max_frames``, ``fps``).
 
 The HTTP endpoint ``POST /v1/images/generations`` (OpenAI-style) is parsed by ``parse_generation``.
 """
@@ -32,7 +33,8 @@ SAMPLERS = ("ddim", "euler")
 PREVIEW_KINDS = ("latent2rgb", "taesd")
 MAX_N = 4  # images per HTTP request
 MAX_SEED = 2**63 - 1
-MAX_VIDEO_FRAMES, MAX_FPS = 256, 60
+MIN_VIDEO_FRAMES, MAX_VIDEO_FRAMES, DEFAULT_FRAMES = 2, 256, 8  # a 1-frame clip is an image; a model may allow fewer
+MAX_FPS, DEFAULT_FPS = 60, 8
 
 
 class SessionState(str, Enum):
@@ -52,6 +54,7 @@ class ModelInfo:
     has_taesd: bool = False
     max_steps: int = MAX_STEPS
     kind: str = "image"  # "image" | "video"
+    max_frames: int = 1  # video: frames per clip this model can make
 
 
 @dataclass(frozen=True)
@@ -137,17 +140,23 @@ def _size_of(value: Any, info: ModelInfo) -> int:
     return value
 
 
-def parse_start(msg: dict[str, Any], info: ModelInfo | None, kind: str = "image") -> ImageParams:
-    """Validate a start message. ``info`` None: no model of this kind is loaded (→ unsupported)."""
+def parse_start(msg: dict[str, Any], info: ModelInfo | None, kind: str = "image",
+                unavailable: str | None = None) -> ImageParams:
+    """Validate a start message. ``info`` None: no model of this kind is loaded (→ unsupported, with
+    ``unavailable`` as the reason when the server knows one)."""
     if kind == "video":
-        frames = _int_in(msg, "frames", 1, MAX_VIDEO_FRAMES, 16)
-        fps = _int_in(msg, "fps", 1, MAX_FPS, 8)
+        frames = _int_in(msg, "frames", MIN_VIDEO_FRAMES, MAX_VIDEO_FRAMES, DEFAULT_FRAMES)
+        fps = _int_in(msg, "fps", 1, MAX_FPS, DEFAULT_FPS)
     else:
         frames, fps = 1, 0
     if info is None:
-        raise UnsupportedError(f"no {kind} model loaded")
+        raise UnsupportedError(unavailable or f"no {kind} model loaded")
     if info.kind != kind:
         raise UnsupportedError(f"the loaded model makes {info.kind}s, not {kind}s")
+    if frames is not None and frames > info.max_frames:  # video: this model makes shorter clips
+        if msg.get("frames") is not None:
+            raise ProtocolError(f"frames must be between {MIN_VIDEO_FRAMES} and {info.max_frames}", code="bad_field")
+        frames = info.max_frames  # the default
     label = class_label_of(msg, info)
     steps = _int_in(msg, "steps", 1, info.max_steps, DEFAULT_STEPS)
     g = _field(msg, "guidance", (int, float))
@@ -189,10 +198,11 @@ def parse_generation(body: dict[str, Any], info: ModelInfo) -> tuple[ImageParams
 class ImageProtocol:
     """Validates client messages against the session state and turns them into events."""
 
-    def __init__(self, info: ModelInfo | None, kind: str = "image") -> None:
+    def __init__(self, info: ModelInfo | None, kind: str = "image", unavailable: str | None = None) -> None:
         self.state = SessionState.AWAIT_START
         self.info = info
         self.kind = kind
+        self.unavailable = unavailable  # why no model is loaded, for the 'unsupported' answer
 
     def receive(self, msg: dict[str, Any]) -> Event:
         kind = msg.get("type")
@@ -203,7 +213,7 @@ class ImageProtocol:
         if kind == "start":
             if self.state is not SessionState.AWAIT_START:
                 raise StateError(f"'start' sent twice (state {self.state.value})")
-            params = parse_start(msg, self.info, self.kind)
+            params = parse_start(msg, self.info, self.kind, self.unavailable)
             self.state = SessionState.GENERATING
             return Start(params)
         if kind != "cancel":

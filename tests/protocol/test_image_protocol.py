@@ -144,6 +144,26 @@ def test_video_without_model_is_unsupported() -> None:
         parse_start(start(), INFO, kind="video")
 
 
+def test_video_fields_against_the_model() -> None:
+    video = ModelInfo(image_size=256, kind="video", max_frames=32)
+    p = parse_start(start(), video, kind="video")
+    assert (p.frames, p.fps, p.size) == (8, 8, 256)  # defaults
+    p = parse_start(start(frames=32, fps=24), video, kind="video")
+    assert (p.frames, p.fps) == (32, 24)
+    for bad in (dict(frames=1), dict(frames=33), dict(frames=257), dict(fps=61), dict(frames=2.5)):
+        with pytest.raises(ProtocolError) as e:
+            parse_start(start(**bad), video, kind="video")
+        assert e.value.code == "bad_field", bad
+    short = ModelInfo(image_size=256, kind="video", max_frames=4)
+    assert parse_start(start(), short, kind="video").frames == 4  # the default shrinks to what the model makes
+    with pytest.raises(UnsupportedError):  # a video model does not make images
+        parse_start(start(), video)
+    p = ImageProtocol(None, kind="video", unavailable="video output needs imageio-ffmpeg: pip install x")
+    with pytest.raises(UnsupportedError) as e:
+        p.receive(start())
+    assert e.value.message.startswith("video output needs imageio-ffmpeg")
+
+
 def test_generation_body() -> None:
     p, n = parse_generation({"prompt": "3", "n": 2, "size": "256x256", "response_format": "b64_json"}, INFO)
     assert (p.class_label, n, p.preview_every) == (3, 2, 0)

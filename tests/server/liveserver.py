@@ -1,14 +1,18 @@
-"""A real uvicorn server on loopback, in a thread, for the server tests."""
+"""A real uvicorn server on loopback, in a thread, for the server tests (and a one-request client)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import msgpack
 import uvicorn
+import websockets
 from starlette.applications import Starlette
 
 
@@ -51,3 +55,23 @@ def serve(app: Starlette, ws_max_size: int = 4 << 20) -> Iterator[Live]:
         thread.join(30)
 
 
+async def session(url: str, start: dict, json_frames: bool = False, on_msg=None) -> tuple[list[dict], int]:  # noqa: ANN001
+    """Send one ``start`` over a real WebSocket and collect every message until the server closes;
+    returns (messages, close code). JSON frames: binary fields (image, video) come back as bytes."""
+    msgs = []
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps(start) if json_frames else msgpack.packb(start, use_bin_type=True))
+        try:
+            async for frame in ws:
+                msg = json.loads(frame) if json_frames else msgpack.unpackb(frame, raw=False)
+                for key in ("image", "video"):
+                    if json_frames and key in msg:
+                        msg[key] = base64.b64decode(msg[key])
+                msg["_t"] = time.monotonic()
+                msgs.append(msg)
+                if on_msg is not None:
+                    await on_msg(ws, msg)
+        except websockets.ConnectionClosed:
+            pass
+        code = ws.close_code
+    return msgs, code

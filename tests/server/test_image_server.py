@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
 import time
 
 import httpx
@@ -13,8 +12,6 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-import websockets
-from diffusers import AutoencoderKL, AutoencoderTiny, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 from PIL import Image
 
 from realtime.clients.tts import TTSStream
@@ -25,28 +22,9 @@ from realtime.protocol.image import ImageParams
 from realtime.scheduler import Lane, Priority, pick
 from realtime.server import create_app
 
-from liveserver import serve
+from liveserver import serve, session
 
-SIZE = 64  # 8x8 latents through a 4-block (8x) VAE
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):  # noqa: ANN001, ANN201
-    d = tmp_path_factory.mktemp("dit_serving")
-    torch.manual_seed(0)
-    dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
-                                num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000)
-    with torch.no_grad():
-        for p in dit.parameters():
-            p.normal_(0, 0.05)
-    torch.manual_seed(5)
-    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, latent_channels=4,
-                        up_block_types=("UpDecoderBlock2D",) * 4, down_block_types=("DownEncoderBlock2D",) * 4)
-    DiTPipeline(transformer=dit.eval(), vae=vae.eval(), scheduler=DDIMScheduler()).save_pretrained(d)
-    torch.manual_seed(6)
-    AutoencoderTiny(encoder_block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4).save_pretrained(
-        d / "preview_decoder")
-    return d
+SIZE = 64  # the ckpt fixture (conftest.py): 8x8 latents through a 4-block (8x) VAE
 
 
 @pytest.fixture(scope="module")
@@ -69,26 +47,6 @@ def pixels(data: bytes, fmt: str) -> np.ndarray:
     im = Image.open(io.BytesIO(data))
     assert im.format == fmt
     return np.asarray(im.convert("RGB"))
-
-
-async def session(url: str, start: dict, json_frames: bool = False, on_msg=None) -> tuple[list[dict], int]:  # noqa: ANN001
-    """Run one request; returns (messages, close code)."""
-    msgs = []
-    async with websockets.connect(url, max_size=None) as ws:
-        await ws.send(json.dumps(start) if json_frames else msgpack.packb(start, use_bin_type=True))
-        try:
-            async for frame in ws:
-                msg = json.loads(frame) if json_frames else msgpack.unpackb(frame, raw=False)
-                if json_frames and "image" in msg:
-                    msg["image"] = base64.b64decode(msg["image"])
-                msg["_t"] = time.monotonic()
-                msgs.append(msg)
-                if on_msg is not None:
-                    await on_msg(ws, msg)
-        except websockets.ConnectionClosed:
-            pass
-        code = ws.close_code
-    return msgs, code
 
 
 async def test_previews_then_final_equals_offline(live, ckpt) -> None:  # noqa: ANN001
@@ -126,15 +84,16 @@ async def test_json_frames_taesd_every_step(live) -> None:  # noqa: ANN001
     assert pixels(msgs[4]["image"], "PNG").shape == (SIZE, SIZE, 3)
 
 
-async def test_cancel_stops_within_one_step(live) -> None:  # noqa: ANN001
+async def check_cancel_within_one_step(live, path: str, start: dict) -> None:  # noqa: ANN001
+    """Cancel after the third preview of a 250-step request: done(cancelled), no final, and the
+    lane ran at most the step already running (shared with the /v1/video tests)."""
     steps = 250
 
     async def on_msg(ws, msg):  # noqa: ANN001, ANN202
         if msg["type"] == "preview" and msg["step"] == 3:
             await ws.send(msgpack.packb({"type": "cancel"}))
 
-    msgs, code = await session(f"{live.ws}/v1/image", {"type": "start", "class_label": 1, "steps": steps,
-                                                       "preview_size": 16}, on_msg=on_msg)
+    msgs, code = await session(f"{live.ws}{path}", {**start, "steps": steps, "preview_every": 1}, on_msg=on_msg)
     assert code == 1000
     assert msgs[-1]["type"] == "done" and msgs[-1]["stats"]["cancelled"] is True
     assert "final" not in [m["type"] for m in msgs]
@@ -147,6 +106,10 @@ async def test_cancel_stops_within_one_step(live) -> None:  # noqa: ANN001
     assert job not in live.svc.lane.jobs  # reaped
     await asyncio.sleep(0.1)
     assert job.steps == n
+
+
+async def test_cancel_stops_within_one_step(live) -> None:  # noqa: ANN001
+    await check_cancel_within_one_step(live, "/v1/image", {"type": "start", "class_label": 1, "preview_size": 16})
 
 
 async def test_bad_requests_close_with_codes(live) -> None:  # noqa: ANN001
