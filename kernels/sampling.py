@@ -42,7 +42,7 @@ def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor
 @functools.cache
 def _kernels():
     # The jit'd functions resolve `tl`, `libdevice` and the helper through module globals.
-    global triton, tl, libdevice, _hash32
+    global triton, tl, libdevice, _hash32, _row_setup, _gumbel
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -56,6 +56,34 @@ def _kernels():
         x = x * 0x846CA68B
         x = x ^ (x >> 16)
         return x
+
+    @triton.jit
+    def _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V):
+        # Per-row parameters and the row key of the noise: the 64-bit seed and step folded in, each
+        # fold re-hashed (as the engine does).
+        temp = tl.load(temp_ptr + row)
+        greedy = temp <= 0
+        temp = tl.where(greedy, 1.0, temp)
+        k = tl.load(topk_ptr + row)
+        topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
+        seed = tl.load(seed_ptr + row)
+        step = tl.load(step_ptr + row)
+        key = _hash32((seed & 0xFFFFFFFF).to(tl.uint32))
+        key = _hash32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
+        key = _hash32(key ^ (step & 0xFFFFFFFF).to(tl.uint32))
+        key = _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
+        return temp, greedy, k, topk_on, key
+
+    @triton.jit
+    def _gumbel(key, idx, LIBDEVICE_LOG: tl.constexpr):
+        # Uniform noise in (0, 1) from 24 hash bits of (row key, vocab index), exact in float32;
+        # then Gumbel(0, 1) (libdevice's accurate log on the GPU, like PyTorch's CUDA log).
+        h = _hash32(key ^ _hash32(idx.to(tl.uint32) + 0x27D4EB2F))
+        h = _hash32(h ^ 0x165667B1)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        if LIBDEVICE_LOG:
+            return -libdevice.log(-libdevice.log(u))
+        return -tl.log(-tl.log(u))
 
     @triton.jit
     def _sample_kernel(
@@ -73,19 +101,7 @@ def _kernels():
     ):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_l
-        temp = tl.load(temp_ptr + row)
-        greedy = temp <= 0
-        temp = tl.where(greedy, 1.0, temp)
-        k = tl.load(topk_ptr + row)
-        topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
-
-        # Row key of the noise: fold the 64-bit seed and step, each fold re-hashed (as the engine).
-        seed = tl.load(seed_ptr + row)
-        step = tl.load(step_ptr + row)
-        key = _hash32((seed & 0xFFFFFFFF).to(tl.uint32))
-        key = _hash32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
-        key = _hash32(key ^ (step & 0xFFFFFFFF).to(tl.uint32))
-        key = _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
+        temp, greedy, k, topk_on, key = _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V)
 
         # Radix select of the k-th largest scaled logit: `thr` its order key, `k_rem` how many of the
         # entries equal to it are kept (the first ones in vocab order).
@@ -129,15 +145,7 @@ def _kernels():
             tie_rank = ties_before + tl.cumsum(eq_i, 0) - eq_i
             ties_before += tl.sum(eq_i, 0)
             keep = (~topk_on) | (okey > thr) | (eq & (tie_rank < k_rem))
-            # Uniform noise in (0, 1) from 24 hash bits, exact in float32; then Gumbel(0, 1).
-            h = _hash32(key ^ _hash32(idx.to(tl.uint32) + 0x27D4EB2F))
-            h = _hash32(h ^ 0x165667B1)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            if LIBDEVICE_LOG:
-                g = -libdevice.log(-libdevice.log(u))
-            else:
-                g = -tl.log(-tl.log(u))
-            val = tl.where(greedy, x, tl.where(keep, x + g, float("-inf")))
+            val = tl.where(greedy, x, tl.where(keep, x + _gumbel(key, idx, LIBDEVICE_LOG), float("-inf")))
             val = tl.where(valid, val, float("-inf"))
             bmax = tl.max(val, 0)
             barg = tl.argmax(val, 0).to(tl.int64) + i * BLOCK_V
@@ -160,17 +168,7 @@ def _kernels():
         LIBDEVICE_LOG: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        temp = tl.load(temp_ptr + row)
-        greedy = temp <= 0
-        temp = tl.where(greedy, 1.0, temp)
-        k = tl.load(topk_ptr + row)
-        topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
-        seed = tl.load(seed_ptr + row)
-        step = tl.load(step_ptr + row)
-        key = _hash32((seed & 0xFFFFFFFF).to(tl.uint32))
-        key = _hash32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
-        key = _hash32(key ^ (step & 0xFFFFFFFF).to(tl.uint32))
-        key = _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
+        temp, greedy, k, topk_on, key = _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V)
 
         idx = tl.arange(0, BLOCK_V)
         valid = idx < V
@@ -201,14 +199,7 @@ def _kernels():
         eq_i = eq.to(tl.int32)
         tie_rank = tl.cumsum(eq_i, 0) - eq_i
         keep = (~topk_on) | (okey > thr) | (eq & (tie_rank < k_rem))
-        h = _hash32(key ^ _hash32(idx.to(tl.uint32) + 0x27D4EB2F))
-        h = _hash32(h ^ 0x165667B1)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        if LIBDEVICE_LOG:
-            g = -libdevice.log(-libdevice.log(u))
-        else:
-            g = -tl.log(-tl.log(u))
-        val = tl.where(greedy, x, tl.where(keep, x + g, float("-inf")))
+        val = tl.where(greedy, x, tl.where(keep, x + _gumbel(key, idx, LIBDEVICE_LOG), float("-inf")))
         val = tl.where(valid, val, float("-inf"))
         tl.store(out_ptr + row, tl.argmax(val, 0).to(tl.int64))
 
