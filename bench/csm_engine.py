@@ -237,6 +237,15 @@ def _bench_variant(args, res: dict, b, csm, tag: str, graphs: bool, text: str) -
         for _ in range(3):
             dec()
         res[f"ours_{tag}_b{bsz}_mimi_decode_ms"] = statistics.median(cuda_time(dec, 10)) * 1000
+        if bsz == 1 and tag == args.variants[-1]:  # where the Mimi step's time goes (one frame)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(4):
+                    dec()
+                torch.cuda.synchronize()
+            res["profile_mimi_b1"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+            print(res["profile_mimi_b1"], flush=True)
         log(f"ours {tag} Mimi decode batch {bsz}: {res[f'ours_{tag}_b{bsz}_mimi_decode_ms']:.2f} ms")
 
 
