@@ -83,3 +83,25 @@ def test_pack_unpack(fmt: str) -> None:
     back = unpack_pcm(pack_pcm(x, fmt), fmt)
     tol = {"pcm_f32le": 1e-7, "pcm_s16le": 1e-4, "mulaw": 0.04, "alaw": 0.04}[fmt]
     assert np.abs(back - x).max() < tol
+
+
+def test_encoder_tables_equal_the_arithmetic_on_every_sample() -> None:
+    from realtime.codecs.g711 import _alaw_encode_ref, _ulaw_encode_ref
+
+    every = np.arange(-32768, 32768).astype(np.int16)
+    assert np.array_equal(ulaw_encode(every), _ulaw_encode_ref(every))
+    assert np.array_equal(alaw_encode(every), _alaw_encode_ref(every))
+
+
+@pytest.mark.parametrize("fmt", ["pcm_s16le", "pcm_f32le", "mulaw", "alaw"])
+def test_pack_rows_equals_pack_per_row(fmt: str) -> None:
+    from realtime.codecs.resample import pack_pcm_rows
+
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-1.3, 1.3, (16, 1920)).astype(np.float32)  # beyond full scale: clipped
+    x[0, :5] = [1.0, -1.0, 0.0, 0.5 / 32767, -1.5 / 32767]  # the edges and rounding ties
+    assert pack_pcm_rows(x, fmt) == [pack_pcm(row, fmt) for row in x]
+    s16 = np.round(np.clip(x, -1.0, 1.0) * 32767.0).astype(np.int16)  # the per-sample definition
+    want = {"pcm_s16le": s16.astype("<i2"), "pcm_f32le": np.clip(x, -1.0, 1.0).astype("<f4"),
+            "mulaw": ulaw_encode(s16), "alaw": alaw_encode(s16)}[fmt]
+    assert pack_pcm_rows(x, fmt) == [row.tobytes() for row in want]
