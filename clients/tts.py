@@ -76,8 +76,9 @@ class TTSStream:
         self.chunks = 0
 
     async def __aenter__(self) -> "TTSStream":
+        # compression=None: audio frames barely compress; deflate only costs CPU on both ends.
         self.ws = await websockets.connect(self.url, additional_headers=_headers(self.api_key),
-                                           open_timeout=self.open_timeout, max_size=None)
+                                           open_timeout=self.open_timeout, max_size=None, compression=None)
         await self._send(self.start_msg)
         msg = await self._recv()
         if msg.get("type") != "ready":

@@ -43,8 +43,11 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"realtime: {exc.message}", file=sys.stderr)
         return 2
+    # No permessage-deflate: the frames are audio, which zlib barely shrinks, and compressing each
+    # chunk cost more server CPU than everything else per stream-frame (docs/speed_notes.md).
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
-                ws_max_size=max(cfg.max_frame_bytes * 2, 1 << 16), ws_ping_interval=20, ws_ping_timeout=20)
+                ws_max_size=max(cfg.max_frame_bytes * 2, 1 << 16), ws_ping_interval=20, ws_ping_timeout=20,
+                ws_per_message_deflate=False)
     return 0
 
 

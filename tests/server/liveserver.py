@@ -38,7 +38,7 @@ class Live:
 @contextmanager
 def serve(app: Starlette, ws_max_size: int = 4 << 20) -> Iterator[Live]:
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws_max_size=ws_max_size,
-                            lifespan="on")
+                            lifespan="on", ws_per_message_deflate=False)  # as `realtime serve`
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
