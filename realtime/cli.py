@@ -80,6 +80,8 @@ def _say(args: argparse.Namespace) -> int:
                            codec_device=args.codec_device or args.generator_device,
                            dtype=args.dtype, tts_model=args.model)
         backend = load_tts(cfg)
+        if args.save_codes and hasattr(backend, "keep_codes"):
+            backend.keep_codes = True
         rate = args.sample_rate or backend.native_rate
         audio = synthesize_local(text, backend, rate, cfg)
         stats = {}

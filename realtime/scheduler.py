@@ -19,6 +19,7 @@ Vocabulary (docs/architecture.md has the picture):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -27,12 +28,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from realtime.errors import RealtimeError
 
 log = logging.getLogger("realtime.scheduler")
 
 BACKGROUND_SLACK_S = 1.0  # background work (image steps) yields to any job due sooner than this
+# A worker with nothing ready looks again after this long even if nobody woke it: work that becomes
+# ready by the clock alone (speech held MAX_AHEAD_S ahead of its player) resumes on this tick, so
+# many streams refill in one batch instead of one step per stream; it also covers a lost wake-up.
+IDLE_RECHECK_S = 0.05
 
 
 class JobState(str, Enum):
@@ -66,7 +72,8 @@ class Job:
 
     @property
     def active(self) -> bool:
-        return self.state in (JobState.QUEUED, JobState.RUNNING)
+        state = self.state  # asked for every job on every pick: no tuple, two identity checks
+        return state is JobState.RUNNING or state is JobState.QUEUED
 
     def deadline(self, now: float) -> float:
         """Monotonic seconds by which this job needs its next step (smaller = more urgent)."""
@@ -100,6 +107,14 @@ class Lane(ABC):
         self.jobs: set[Job] = set()
         self.steps = 0
         self.busy_s = 0.0
+        self.scheduler: Scheduler | None = None  # set by Scheduler.add_lane
+
+    def wake(self, worker: str | None = None) -> None:
+        """Tell ``worker`` (every worker when None) that this lane's step made work for it, e.g. the
+        generator lane after a step: the codec worker decodes the new frames now, not on its next
+        idle recheck."""
+        if self.scheduler is not None:
+            self.scheduler.wake(worker)
 
     def add(self, job: Job) -> None:
         self.jobs.add(job)
@@ -197,7 +212,9 @@ class Worker:
         if self.stream is not None:
             import torch
 
-            torch.cuda.set_device(self.device)
+            dev = torch.device(self.device)
+            if dev.index is not None:  # a bare "cuda" means the current device (set_device refuses it)
+                torch.cuda.set_device(dev)
             ctx = torch.cuda.stream(self.stream)
             ctx.__enter__()
         while True:
@@ -209,8 +226,8 @@ class Worker:
                 choice = pick(self.lanes, time.monotonic())
                 if choice is None:
                     self._pending = False
-                    # Sleep until woken (new work) — the timeout only guards against a lost wake-up.
-                    self.cond.wait_for(lambda: self._pending or self.stopping, timeout=0.05)
+                    # Sleep until woken (new work) or until clock-paced work may be ready.
+                    self.cond.wait_for(lambda: self._pending or self.stopping, timeout=IDLE_RECHECK_S)
                     continue
             self._run(choice)
 
@@ -254,6 +271,7 @@ class Scheduler:
         if lane.worker not in self.workers:
             raise KeyError(f"lane {lane.name} wants worker {lane.worker!r}; have {list(self.workers)}")
         self.workers[lane.worker].lanes.append(lane)
+        lane.scheduler = self
         return lane
 
     def lanes(self) -> Iterable[Lane]:
@@ -297,8 +315,12 @@ class Scheduler:
         self.wake()
         return job
 
-    def wake(self) -> None:
-        """Something changed (text arrived, a buffer drained): let the workers look again."""
+    def wake(self, worker: str | None = None) -> None:
+        """Something changed (text arrived, a buffer drained): let the workers (or just the one
+        named ``worker``) look again."""
+        if worker is not None:
+            self.workers[worker].wake()
+            return
         for w in self.workers.values():
             w.wake()
 
@@ -307,12 +329,24 @@ class Scheduler:
         job.cancel()
         self.wake()
 
+    def reap(self, job: Job) -> None:
+        """Drop ``job`` now if it has ended (its lanes release its slot): a session calls this before
+        it tells its client the stream is done, so a client that reconnects at once finds the slot
+        free. Any thread."""
+        with self.lock:
+            entry = self.jobs.pop(job.id, None) if not job.active else None
+        if entry is not None:
+            self._retire([entry])
+
     def _reap(self) -> None:
         """Drop finished/cancelled/failed jobs from their lanes (after every step)."""
         with self.lock:
             done = [(j, lanes) for j, lanes in self.jobs.values() if not j.active]
             for job, lanes in done:
                 del self.jobs[job.id]
+        self._retire(done)
+
+    def _retire(self, done: list[tuple[Job, tuple[Lane, ...]]]) -> None:
         for job, lanes in done:
             for lane in lanes:
                 lane.discard(job)
@@ -337,18 +371,27 @@ class Scheduler:
 class OutputChannel:
     """Bounded hand-off of items from a worker thread to one asyncio consumer.
 
-    The worker side never blocks: lanes check ``room()`` in ``is_ready`` before producing, which is
-    the back-pressure that keeps the channel bounded. The asyncio side awaits ``get_batch``.
+    The worker side never blocks: lanes check ``room()`` (or ``has_room()``) in ``is_ready`` before
+    producing, which is the back-pressure that keeps the channel bounded. The asyncio side awaits
+    ``drain``. A put wakes the consumer's loop with a cross-thread call unless one is already on its
+    way; ``signal_all`` wakes many channels' consumers with one call per loop, for a lane that fed a
+    whole batch of streams in one step.
     """
 
     capacity: int = 256
     items: list[object] = field(default_factory=list)
     closed: bool = False
+    # True: drain's on_take (the scheduler's wake) runs only after has_room() refused a producer,
+    # i.e. only when a producer is held back by this channel. False: after every non-empty take
+    # (for producers that check room() themselves).
+    wake_on_refusal: bool = False
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._loop = None
         self._event = None
+        self._refused = False
+        self._scheduled = False  # a wake-up of the consumer is on its way to the loop
 
     def bind(self, loop, event) -> None:  # noqa: ANN001 - asyncio objects, kept untyped to stay loop-agnostic
         self._loop, self._event = loop, event
@@ -357,35 +400,82 @@ class OutputChannel:
         with self._lock:
             return self.capacity - len(self.items)
 
-    def put(self, item: object) -> None:
+    def has_room(self, reserve: int) -> bool:
+        """More than ``reserve`` free places? A refusal is remembered: the consumer's next take then
+        wakes the producers (see ``wake_on_refusal``)."""
+        with self._lock:
+            ok = self.capacity - len(self.items) > reserve
+            if not ok:
+                self._refused = True
+        return ok
+
+    def put(self, item: object, signal: bool = True) -> None:
+        """Add ``item``; ``signal=False`` leaves waking the consumer to a later ``signal_all``."""
         with self._lock:
             assert len(self.items) < self.capacity + 64, "lane ignored back-pressure"
             self.items.append(item)
-        self._signal()
+        if signal:
+            self._signal()
 
     def close(self) -> None:
         self.closed = True
         self._signal()
 
+    def _needs_signal(self) -> bool:
+        """Claim the consumer's wake-up: False when one is already on its way to the loop (it has
+        not run yet, so the consumer will take this item too)."""
+        if self._loop is None or self._event is None or self._scheduled:
+            return False
+        self._scheduled = True
+        return True
+
+    def _wake_consumer(self) -> None:  # on the loop
+        self._scheduled = False
+        self._event.set()  # type: ignore[attr-defined]
+
     def _signal(self) -> None:
-        if self._loop is not None and self._event is not None:
+        if self._needs_signal():
             try:
-                self._loop.call_soon_threadsafe(self._event.set)
+                self._loop.call_soon_threadsafe(self._wake_consumer)  # type: ignore[attr-defined]
             except RuntimeError:  # loop closed: the session is gone
                 pass
 
     def take(self) -> list[object]:
+        return self._take()[0]
+
+    def _take(self) -> tuple[list[object], bool]:
         with self._lock:
             items, self.items = self.items, []
-        return items
+            refused, self._refused = self._refused, False
+        return items, refused
 
     async def drain(self, on_take: Callable[[], None] | None = None) -> list[object]:
         """Await the bound event, then take every item. ``on_take`` runs when something was taken
-        (the scheduler's wake: a producer held back by a full channel may step again)."""
+        and a producer may have been held back by a full channel (the scheduler's wake: that
+        producer may step again)."""
         assert self._event is not None, "bind() the channel to an event loop first"
         await self._event.wait()
         self._event.clear()
-        items = self.take()
-        if items and on_take is not None:
+        items, refused = self._take()
+        if items and on_take is not None and (refused or not self.wake_on_refusal):
             on_take()
         return items
+
+
+def _wake_consumers(channels: list[OutputChannel]) -> None:  # on the loop
+    for ch in channels:
+        ch._wake_consumer()
+
+
+def signal_all(channels: Iterable[OutputChannel]) -> None:
+    """Wake the consumers of ``channels`` (items were put with ``signal=False``): one cross-thread
+    call per event loop instead of one per channel."""
+    by_loop: dict[Any, list[OutputChannel]] = {}
+    for ch in channels:
+        if ch._needs_signal():
+            by_loop.setdefault(ch._loop, []).append(ch)
+    for loop, chs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(functools.partial(_wake_consumers, chs))
+        except RuntimeError:  # loop closed: those sessions are gone
+            pass

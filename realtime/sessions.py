@@ -204,6 +204,7 @@ class TTSSession(StreamSession):
             for item in items:
                 if item is END:
                     self.proto.finished()
+                    self.app.scheduler.reap(job)  # its slot is free before the client hears "done"
                     stats = self._stats()
                     self._record(stats)
                     await self.conn.send(m.done(stats))

@@ -11,20 +11,23 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from realtime.codecs.resample import StreamResampler, pack_pcm
+from realtime.codecs.resample import StreamResampler, pack_pcm, pack_pcm_rows
 from realtime.errors import ProtocolError, UnsupportedError
 from realtime.protocol.segmenter import Segmenter
 from realtime.protocol.tts import StartParams
-from realtime.scheduler import Job, JobState, Lane, OutputChannel, Priority, Scheduler
+from realtime.scheduler import Job, JobState, Lane, OutputChannel, Priority, Scheduler, signal_all
 
 MAX_PENDING_CHARS = 100_000  # text accepted but not yet spoken, per stream
 MAX_AHEAD_S = 8.0  # audio produced ahead of the (simulated) player, per stream
 OUTPUT_CAPACITY = 512  # chunks produced but not yet sent, per stream
+OUTPUT_RESERVE = 8  # a lane produces for a stream only while its channel has more room than this
+_NO_SAMPLES = np.zeros(0, dtype=np.float32)
 
 
 @dataclass
@@ -62,9 +65,11 @@ class TTSJob(Job):
         self.segments: deque[str] = deque()
         self.pending_chars = 0
         self.stopping = False  # client sent stop: finish what is queued, then END
-        self.output = OutputChannel(capacity=OUTPUT_CAPACITY)
+        # Lanes check has_room(), so the sender's takes wake the scheduler only when a lane was
+        # actually held back by a full channel, not once per chunk sent.
+        self.output = OutputChannel(capacity=OUTPUT_CAPACITY, wake_on_refusal=True)
         self.resampler = StreamResampler(native_rate, params.sample_rate)
-        self._carry = np.zeros(0, dtype=np.float32)
+        self._carry = _NO_SAMPLES
         self.seq = 0
         self.out_samples = 0
         self.engine_state: Any = None
@@ -131,18 +136,22 @@ class TTSJob(Job):
         return 0.0 if self.play_end is None else max(0.0, self.play_end - now)
 
     def can_produce(self, now: float) -> bool:
-        return self.active and self.output.room() > 8 and self.ahead_s(now) < MAX_AHEAD_S
+        # The clock first: a paced stream (far ahead of its player) is the common "no", and the
+        # channel's lock and refusal bookkeeping are for streams that would otherwise produce.
+        return self.active and self.ahead_s(now) < MAX_AHEAD_S and self.output.has_room(OUTPUT_RESERVE)
 
     def deadline(self, now: float) -> float:
         if self.play_end is not None and self.play_end > now:
             return self.play_end
         return self.spurt_start if self.spurt_start is not None else self.created
 
-    def emit_pcm(self, pcm: np.ndarray, frames: int = 0) -> None:
-        """Native-rate float32 PCM [N] from the engine → chunks on the output channel."""
+    def emit_pcm(self, pcm: np.ndarray, frames: int = 0, signal: bool = True) -> None:
+        """Native-rate float32 PCM [N] from the engine → chunks on the output channel (``signal``:
+        wake the sender now; False leaves it to the caller's ``signal_all``). ``emit_pcm_rows``
+        does this for a batch of streams at once."""
         self.frames += frames
         y = self.resampler.process(pcm)
-        self._chunk(y, final=False)
+        self._chunk(y, final=False, signal=signal)
 
     def finish_spurt(self) -> None:
         """The engine has spoken every queued segment; ends the stream if stop was requested.
@@ -163,33 +172,66 @@ class TTSJob(Job):
             self._chunk(self.resampler.flush(), final=True)
             self.resampler = StreamResampler(self.native_rate, self.params.sample_rate)
         if final:
+            self.state = JobState.FINISHED  # before END is seen: the session reaps the job on END
             self.output.put(END)
-            self.state = JobState.FINISHED
         elif spurt_open:
             self.output.put(SPURT_END)
 
-    def _chunk(self, y: np.ndarray, final: bool) -> None:
+    def _chunk(self, y: np.ndarray, final: bool, signal: bool = True) -> None:
+        pieces = self._cut(y, final)
+        self._put_chunks([pack_pcm(p, self.params.format) for p in pieces], [len(p) for p in pieces], signal)
+
+    def _cut(self, y: np.ndarray, final: bool) -> list[np.ndarray]:
+        """The carry plus ``y`` cut into chunks of ``chunk_samples`` (and, when ``final``, the short
+        rest); what is left waits in the carry for the next call."""
         buf = np.concatenate([self._carry, y]) if len(self._carry) else y
         n = self.chunk_samples
         full = len(buf) // n * n
         pieces = [buf[i:i + n] for i in range(0, full, n)]
-        self._carry = buf[full:]
-        if final and len(self._carry):
-            pieces.append(self._carry)
-            self._carry = np.zeros(0, dtype=np.float32)
+        rest = buf[full:]
+        if final and len(rest):
+            pieces.append(rest)
+            rest = _NO_SAMPLES
+        # A copy: ``y`` may be a view of the engine's reused output buffer.
+        self._carry = rest.copy() if len(rest) else _NO_SAMPLES
+        return pieces
+
+    def _put_chunks(self, data: list[bytes], samples: list[int], signal: bool) -> None:
+        """Packed chunks (``samples`` each, at the output rate) → the output channel, in order."""
         rate = self.params.sample_rate
         now = time.monotonic()
-        for p in pieces:
-            dur = len(p) / rate
-            self.output.put(AudioChunk(self.seq, pack_pcm(p, self.params.format),
-                                       self.out_samples * 1000.0 / rate, dur * 1000.0))
+        for d, n in zip(data, samples, strict=True):
+            dur = n / rate
+            self.output.put(AudioChunk(self.seq, d, self.out_samples * 1000.0 / rate, dur * 1000.0), signal=signal)
             self.seq += 1
-            self.out_samples += len(p)
+            self.out_samples += n
             self.play_end = max(self.play_end or now, now) + dur
             self._spurt_open = True
 
     def audio_s(self) -> float:
         return self.out_samples / self.params.sample_rate
+
+
+def emit_pcm_rows(jobs: Sequence[TTSJob], pcm: np.ndarray, frames: int = 1) -> None:
+    """``jobs[i].emit_pcm(pcm[i], frames)`` for every row of native-rate float32 PCM [B, N] (one
+    batched decoder step), with the per-chunk work batched: chunks of one format and length are
+    clipped, scaled and packed in one numpy op for all streams, and the senders are woken with one
+    cross-thread call per event loop. Same chunks, bytes and order as the per-stream calls."""
+    assert pcm.ndim == 2 and len(pcm) == len(jobs), f"pcm {pcm.shape} for {len(jobs)} jobs"
+    cuts: list[list[np.ndarray]] = []
+    groups: dict[tuple[str, int], list[np.ndarray]] = {}
+    for job, row in zip(jobs, pcm, strict=True):
+        job.frames += frames
+        pieces = job._cut(job.resampler.process(row), final=False)
+        cuts.append(pieces)
+        fmt = job.params.format
+        for p in pieces:
+            groups.setdefault((fmt, len(p)), []).append(p)
+    packed = {key: iter(pack_pcm_rows(np.stack(ps), key[0])) for key, ps in groups.items()}
+    for job, pieces in zip(jobs, cuts, strict=True):
+        fmt = job.params.format
+        job._put_chunks([next(packed[(fmt, len(p))]) for p in pieces], [len(p) for p in pieces], signal=False)
+    signal_all(job.output for job in jobs)
 
 
 class TTSBackend(ABC):

@@ -26,7 +26,7 @@ import torch
 from realtime.errors import OverloadedError, UnsupportedError
 from realtime.protocol.tts import StartParams
 from realtime.scheduler import Job, Lane
-from realtime.tts import TTSBackend, TTSJob
+from realtime.tts import OUTPUT_RESERVE, TTSBackend, TTSJob, emit_pcm_rows
 
 log = logging.getLogger("realtime.csm")
 
@@ -41,16 +41,16 @@ class CSMState:
     seed: int
     temperature: float
     top_k: int
-    codes: deque = field(default_factory=deque)  # host LongTensor [K] frames for the codec; None = utterance end
+    codes: deque = field(default_factory=deque)  # host int64 [K] frames (numpy) for the codec; None = utterance end
     generating: bool = False  # a segment is prefilled and its frames are being produced
     segment: str | None = None
     frames_in_segment: int = 0
     max_frames: int = 0
-    inflight: int = 0
+    inflight: int = 0  # a segment being prefilled or a frame being decoded: work not visible in the queues
     ref_codes: torch.Tensor | None = None  # [F, K] of the voice reference, encoded once per session
     last_turn: tuple[str, list] | None = None  # previous segment and its frames, as context
     frames_log: list = field(default_factory=list)
-    all_frames: list = field(default_factory=list)  # every frame of the session ([K] each), for --save-codes
+    all_frames: list | None = None  # every frame of the session ([K] each) when the backend keeps codes
     decoded: int = 0
 
     def busy(self) -> bool:
@@ -89,9 +89,9 @@ class CSMFrameLane(Lane):
 
     def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
         st: CSMState = job.engine_state
-        if len(st.codes) >= MAX_CODES_AHEAD or not job.can_produce(time.monotonic()):
+        if not (st.generating or job.segments) or len(st.codes) >= MAX_CODES_AHEAD:
             return False
-        return st.generating or job.has_text()
+        return job.can_produce(time.monotonic())
 
     def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
         b = self.b
@@ -119,21 +119,25 @@ class CSMFrameLane(Lane):
         seeds = torch.tensor([j.engine_state.seed for j in stepping], dtype=torch.long)
         codes = b.frame_step(slots, temp, top_k, seeds)  # [B, K] on the host: the one sync per frame
         eos = b.csm.is_eos(codes).tolist()
+        rows = codes.numpy()  # numpy row views: cheaper to hold and stack per stream than tensors
         share = (time.perf_counter() - t0) / len(stepping)
-        for job, frame, end in zip(stepping, codes, eos, strict=True):
+        limit = b.state.max_seq_len - 2
+        lengths = b.state.lengths
+        for job, frame, end in zip(stepping, rows, eos, strict=True):
             st = job.engine_state
             job.compute_s += share
             st.frames_in_segment += 1
-            full = b.state.lengths[st.slot] >= b.state.max_seq_len - 2
+            over = end or lengths[st.slot] >= limit or st.frames_in_segment >= st.max_frames
             with job.lock:
                 if not end:
                     st.codes.append(frame)
                     st.frames_log.append(frame)
-                    st.all_frames.append(frame)
-                if end or full or st.frames_in_segment >= st.max_frames:
+                    if st.all_frames is not None:
+                        st.all_frames.append(frame)
+                if over:
                     st.generating = False
                     st.codes.append(None)  # utterance boundary for the codec lane
-        b.wake_codec()
+        self.wake(MimiDecodeLane.worker)  # the new frames: decode them now
 
     def _prefill(self, job: TTSJob, st: CSMState, seg: str) -> None:
         b = self.b
@@ -143,7 +147,7 @@ class CSMFrameLane(Lane):
         if st.ref_codes is not None:
             context.append((job.params.speaker, job.params.reference_text or "", st.ref_codes))
         if st.last_turn is not None and st.last_turn[1]:
-            context.append((job.params.speaker, st.last_turn[0], torch.stack(st.last_turn[1])))
+            context.append((job.params.speaker, st.last_turn[0], torch.from_numpy(np.stack(st.last_turn[1]))))
         prompt = b.csm.build_prompt(seg, job.params.speaker, context)
         room = b.state.max_seq_len - len(prompt) - 1
         if room < MIN_FRAMES and context:
@@ -171,31 +175,43 @@ class MimiDecodeLane(Lane):
 
     def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
         st: CSMState = job.engine_state
-        return bool(st.codes) and job.output.room() > 8
+        return bool(st.codes) and job.output.has_room(OUTPUT_RESERVE)
 
     def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
         b = self.b
         t0 = time.perf_counter()
         b.reset_dirty_slots()
-        decode: list[tuple[TTSJob, torch.Tensor]] = []
+        decode: list[TTSJob] = []
+        frames: list[np.ndarray] = []
+        generator_held = False  # a stream's code queue was full: the generator waits for this step
         for job in jobs:
             st: CSMState = job.engine_state
             with job.lock:
+                generator_held |= len(st.codes) >= MAX_CODES_AHEAD
                 item = st.codes.popleft() if st.codes else None
-                boundary = item is None
-            if boundary:
+                if item is not None:
+                    st.inflight += 1  # until emitted: a stop() meanwhile must not end the stream early
+            if item is None:
                 job.finish_spurt()
                 continue
-            decode.append((job, item))
+            decode.append(job)
+            frames.append(item)
         if decode:
-            slots = torch.tensor([j.engine_state.slot for j, _ in decode], dtype=torch.long)
-            codes = torch.stack([c for _, c in decode])[:, :, None]  # [B, K, 1]
-            pcm = b.decode_slots(slots, codes).float().cpu().numpy()  # [B, 1, 1920]
-            share = (time.perf_counter() - t0) / len(decode)
-            for (job, _), audio in zip(decode, pcm, strict=True):
-                job.compute_s += share
-                job.engine_state.decoded += 1
-                job.emit_pcm(audio.reshape(-1), frames=1)
+            try:
+                slots = torch.tensor([j.engine_state.slot for j in decode], dtype=torch.long)
+                codes = torch.from_numpy(np.stack(frames))[:, :, None]  # [B, K, 1]
+                pcm = b.pcm_to_host(b.decode_slots(slots, codes))  # [B, 1920]
+                share = (time.perf_counter() - t0) / len(decode)
+                for job in decode:
+                    job.compute_s += share
+                    job.engine_state.decoded += 1
+                emit_pcm_rows(decode, pcm, frames=1)
+            finally:
+                for job in decode:
+                    with job.lock:
+                        job.engine_state.inflight -= 1
+        if generator_held:
+            self.wake(CSMFrameLane.worker)
         for job in jobs:  # an utterance may end right after its last frame
             st = job.engine_state
             if st.codes and st.codes[0] is None and not st.generating:
@@ -240,7 +256,8 @@ class CSMBackend(TTSBackend):
         self.voices = ()
         self.codec_device = codec_device
         self.last_job: TTSJob | None = None
-        self._wake_codec = lambda: None
+        self.keep_codes = False  # keep every stream's frames for last_codes (`realtime say --save-codes`)
+        self._host_pcm: torch.Tensor | None = None  # pinned decoder output on the host (CUDA codec)
 
     def lanes(self) -> list[Lane]:
         return [CSMFrameLane(self), MimiDecodeLane(self)]
@@ -262,7 +279,8 @@ class CSMBackend(TTSBackend):
     def prepare(self, job: TTSJob) -> None:
         seed = job.params.seed if job.params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         temp = 0.9 if job.params.temperature is None else job.params.temperature
-        job.engine_state = CSMState(slot=-1, seed=seed, temperature=temp, top_k=50)
+        job.engine_state = CSMState(slot=-1, seed=seed, temperature=temp, top_k=50,
+                                    all_frames=[] if self.keep_codes else None)
         self.last_job = job
 
     def submit(self, scheduler, job: TTSJob) -> TTSJob:  # noqa: ANN001
@@ -272,7 +290,6 @@ class CSMBackend(TTSBackend):
         except Exception:
             self.pool.give(job.engine_state.slot)
             raise
-        self._wake_codec = scheduler.wake
         return job
 
     def frame_step(self, slots: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
@@ -281,9 +298,6 @@ class CSMBackend(TTSBackend):
         if self.step_graphs is None:
             return self.csm.step(self.state, slots, temp, top_k, seeds).cpu()
         return self.step_graphs(slots, temp, top_k, seeds).cpu()
-
-    def wake_codec(self) -> None:
-        self._wake_codec()
 
     def reset_dirty_slots(self) -> None:
         with self.pool.lock:
@@ -310,6 +324,21 @@ class CSMBackend(TTSBackend):
 
             return self.decode_graphs.run(n, fill)[:n]
         return self._decode_subset(slots.to(self.codec_device), codes)
+
+    def pcm_to_host(self, pcm: torch.Tensor) -> np.ndarray:
+        """Decoder output [B, 1, N] → float32 [B, N] on the host, one copy for the batch. On CUDA the
+        copy goes into a reused pinned buffer (the array is valid until the next call: the codec
+        worker packs it into chunks before its next step)."""
+        pcm = pcm.reshape(pcm.shape[0], -1).float()
+        if pcm.device.type != "cuda":
+            return pcm.numpy()
+        n, t = pcm.shape
+        if self._host_pcm is None or self._host_pcm.shape[1] != t:
+            self._host_pcm = torch.empty(self.n_slots + 1, t, dtype=torch.float32, pin_memory=True)
+        out = self._host_pcm[:n]
+        out.copy_(pcm, non_blocking=True)
+        torch.cuda.current_stream(pcm.device).synchronize()
+        return out.numpy()
 
     def _decode_subset(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Gather the slots' decoder state, step it, scatter it back (graph-capturable)."""
@@ -353,7 +382,7 @@ class CSMBackend(TTSBackend):
         """Codes [frames, K] of the most recent stream (for ``realtime say --save-codes``)."""
         if self.last_job is None or not self.last_job.engine_state.all_frames:
             return None
-        return torch.stack(self.last_job.engine_state.all_frames).numpy()
+        return np.stack(self.last_job.engine_state.all_frames)
 
     @property
     def mimi_dtype(self) -> torch.dtype:

@@ -26,6 +26,7 @@ log = logging.getLogger("realtime.piper")
 FIRST_WINDOW = 8  # latent frames (256 samples each): ~93 ms at 22.05 kHz
 MIN_WINDOW = 32  # ~370 ms: context overhead (2 x 11 frames) stays under 70 %
 MAX_WINDOW = 64  # ~740 ms
+MAX_UTTS_AHEAD = 4  # sentences synthesized but not yet vocoded, per stream
 
 
 @dataclass
@@ -67,9 +68,10 @@ class PiperGenerateLane(Lane):
 
     def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
         st: PiperState = job.engine_state
-        return job.has_text() and len(st.utts) < 4 and job.can_produce(time.monotonic())
+        return job.has_text() and len(st.utts) < MAX_UTTS_AHEAD and job.can_produce(time.monotonic())
 
     def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
+        made = False
         for job in jobs:
             t0 = time.perf_counter()
             st: PiperState = job.engine_state
@@ -85,8 +87,11 @@ class PiperGenerateLane(Lane):
                     st.inflight -= 1
                     st.utts.extend(utts)
             job.compute_s += time.perf_counter() - t0
+            made |= bool(utts)
             if not utts:
                 job.finish_spurt()
+        if made:
+            self.wake(PiperVocodeLane.worker)  # vocode the first window now, not on the idle recheck
 
 
 class PiperVocodeLane(Lane):
@@ -134,7 +139,10 @@ class PiperVocodeLane(Lane):
             st.windows += 1
             if end >= utt.frames:
                 with job.lock:
+                    held = len(st.utts) >= MAX_UTTS_AHEAD
                     st.utts.popleft()
+                if held:
+                    self.wake(PiperGenerateLane.worker)  # room for the next segment's latents
                 job.finish_spurt()
 
 
