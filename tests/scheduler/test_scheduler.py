@@ -213,6 +213,21 @@ def test_output_channel_puts_share_one_cross_thread_wake_up() -> None:
     assert len(loop.calls) == 1 and ch.take() == list(range(6))
 
 
+def test_reap_frees_an_ended_job_at_once_and_only_once() -> None:
+    sched = Scheduler({"generator": "cpu"})
+    lane = sched.add_lane(FakeLane("gen"))
+    job = FakeJob(0.0, work=5)
+    sched.submit(job, [lane])
+    sched.reap(job)  # still running: stays
+    assert sched.active == 1 and lane.released == []
+    job.state = JobState.FINISHED
+    sched.reap(job)  # no worker step needed: the session calls this before it says "done"
+    assert sched.active == 0 and lane.released == [job.id] and job not in lane.jobs
+    sched.reap(job)
+    sched._reap()
+    assert lane.released == [job.id]
+
+
 def test_a_lane_wakes_only_the_worker_it_names() -> None:
     sched = Scheduler({"generator": "cpu", "codec": "cpu"})
     gen = sched.add_lane(FakeLane("gen", worker="generator"))
