@@ -152,11 +152,17 @@ def pick(lanes: Sequence[Lane], now: float) -> Choice | None:
     a batch of its ready jobs, most urgent first, up to its max batch."""
     best: tuple[float, int, Lane, list[Job]] | None = None
     for order, lane in enumerate(lanes):
-        ready = lane.ready_jobs()
-        if not ready:
+        try:
+            ready = lane.ready_jobs()
+            if not ready:
+                continue
+            ready.sort(key=lambda j: (j.deadline(now), j.id))
+            key = (ready[0].deadline(now), order)
+        except Exception as exc:  # a lane bug in is_ready/deadline fails that lane's jobs, not the worker
+            log.exception("lane %s failed while picking", lane.name)
+            for job in list(lane.jobs):
+                job.fail(exc)
             continue
-        ready.sort(key=lambda j: (j.deadline(now), j.id))
-        key = (ready[0].deadline(now), order)
         if best is None or key < best[:2]:
             best = (key[0], key[1], lane, ready)
     if best is None:

@@ -254,3 +254,30 @@ def test_cuda_workers_accept_a_bare_or_indexed_device(device: str) -> None:
         assert job.ran == 2 and job.state is JobState.FINISHED
     finally:
         sched.stop()
+
+
+def test_a_lane_failing_while_picking_fails_its_jobs_not_the_worker() -> None:
+    """An exception in a lane's is_ready (a lane bug) once killed the worker thread and hung the
+    server; now that lane's jobs fail and the worker goes on serving the other lanes."""
+
+    class BrokenLane(FakeLane):
+        def is_ready(self, job: Job) -> bool:
+            raise RuntimeError("lane bug")
+
+    sched = Scheduler({"generator": "cpu"})
+    broken, good = BrokenLane("broken"), FakeLane("good")
+    sched.add_lane(broken)
+    sched.add_lane(good)
+    bad_job, ok_job = FakeJob(time.monotonic()), FakeJob(time.monotonic(), work=2)
+    sched.submit(bad_job, [broken])
+    sched.submit(ok_job, [good])
+    sched.start()
+    try:
+        deadline = time.monotonic() + 5
+        while sched.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bad_job.state is JobState.FAILED and isinstance(bad_job.error, RuntimeError)
+        assert ok_job.ran == 2 and ok_job.state is JobState.FINISHED
+        assert sched.workers["generator"].thread.is_alive()
+    finally:
+        sched.stop()
