@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
+from realtime.kernels.gemv import MAX_M as GEMV_MAX_M  # plain constant: importing it needs no Triton
 
 __all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm"]
 
@@ -199,7 +201,7 @@ def use_kernels(enabled: bool | None = None) -> bool:
 
 _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 # The decode GEMV (kernels/gemv.py) per projection: "auto" times it against cuBLAS once per shape
-# at fuse time and keeps the faster; "1" always (M <= 4 rows), "0" never.
+# at fuse time and keeps the faster; "1" always (M <= GEMV_MAX_M rows), "0" never.
 _GEMV = os.environ.get("REALTIME_GEMV", "auto").strip().lower()
 
 
@@ -215,12 +217,18 @@ def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False) -> boo
 
 
 def project(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> Tensor:
-    """x [M, K] @ w.T + bias: the GEMV for M <= 4 rows when ``gemv``, else the library GEMM."""
-    if gemv and x.shape[0] <= 4:
+    """x [M, K] @ w.T + bias: the GEMV for M <= GEMV_MAX_M rows when ``gemv``, else the library GEMM."""
+    if gemv and x.shape[0] <= GEMV_MAX_M:
         from realtime.kernels.gemv import linear
 
         return linear(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def _fused_layer_loop(x: Tensor) -> bool:
+    """Whether Transformer.forward takes the kernels' layer loops (a function so the CPU tests can
+    run those loops under TRITON_INTERPRET)."""
+    return _KERNELS and x.is_cuda
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -337,7 +345,7 @@ class MLP(nn.Module):
 
     def decode(self, x: Tensor) -> Tensor:
         """x [M, dim] (fused weights) -> [M, dim]: SwiGLU in the GEMV's epilogue when chosen."""
-        if self.gemv_gate_up and x.shape[0] <= 4:
+        if self.gemv_gate_up and x.shape[0] <= GEMV_MAX_M:
             from realtime.kernels.gemv import swiglu
 
             a = swiglu(x, self.gate_up_weight, self.gate_up_bias)
@@ -418,7 +426,8 @@ class Transformer(nn.Module):
         With a cache: writes K/V of these T positions into cache[slots] at ``pos`` and attends over
         cache positions <= each query's position. Without: plain causal attention over the T inputs.
         """
-        if _KERNELS and x.is_cuda and cache is not None and x.shape[1] == 1 and self._decode_fusable():
+        fused = _fused_layer_loop(x)
+        if fused and cache is not None and x.shape[1] == 1 and self._decode_fusable():
             if slots is None:
                 raise ConfigError("Transformer.forward: a cache needs slots")
             return self._decode(x, pos[:, 0], cache, slots)
@@ -432,7 +441,7 @@ class Transformer(nn.Module):
             if slots is None:
                 raise ConfigError("Transformer.forward: a cache needs slots")
             mask = (cache.key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
-        if _KERNELS and x.is_cuda:
+        if fused:
             return self._layers_fused_norms(x, cos, sin, mask, cache, slots, pos)
         for i, layer in enumerate(self.layers):
             h = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, i, cache, slots, pos)
@@ -444,18 +453,27 @@ class Transformer(nn.Module):
                             cache: KVCache | None, slots: Tensor | None, pos: Tensor) -> Tensor:
         """The layer loop with each residual add fused into the RMSNorm that follows it (Triton):
         the same arithmetic as the plain loop (the sum is rounded to the residual dtype first)."""
+        if not len(self.layers):
+            return self.norm(x)
+        return self._fused_norm_loop(
+            x.contiguous(),
+            lambda i, layer, h: layer.self_attn(h, cos, sin, mask, i, cache, slots, pos).contiguous(),
+            lambda layer, h: layer.mlp(h).contiguous())
+
+    def _fused_norm_loop(self, x: Tensor, attend: Callable[[int, "DecoderLayer", Tensor], Tensor],
+                         mlp: Callable[["DecoderLayer", Tensor], Tensor]) -> Tensor:
+        """x [..., dim] contiguous (at least one layer) -> the final-norm output. Each layer's input
+        norm and the final norm take the residual add before them (one kernel each);
+        ``attend(i, layer, h)`` and ``mlp(layer, h)`` return the sublayers' outputs, contiguous."""
         from realtime.kernels.rmsnorm import add_rmsnorm, rmsnorm
 
         eps = self.cfg.rms_eps
-        x = x.contiguous()
-        h = rmsnorm(x, self.layers[0].input_layernorm.weight, eps) if len(self.layers) else x
+        h = rmsnorm(x, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn(h, cos, sin, mask, i, cache, slots, pos)
-            h, x = add_rmsnorm(a.contiguous(), x, layer.post_attention_layernorm.weight, eps)
-            m = layer.mlp(h)
+            h, x = add_rmsnorm(attend(i, layer, h), x, layer.post_attention_layernorm.weight, eps)
             nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else self.norm.weight
-            h, x = add_rmsnorm(m.contiguous(), x, nxt, eps)
-        return h if len(self.layers) else self.norm(x)
+            h, x = add_rmsnorm(mlp(layer, h), x, nxt, eps)
+        return h
 
     def _decode_fusable(self) -> bool:
         """The one-token fast path needs fused projections, no q/k norm, and the kernels' head dims."""
@@ -472,26 +490,22 @@ class Transformer(nn.Module):
         The angles come from a position table instead of being recomputed each step.
         """
         from realtime.kernels.decode_attention import decode_attention
-        from realtime.kernels.rmsnorm import add_rmsnorm, rmsnorm
         from realtime.kernels.rotary import rotary_cache_write
 
-        cfg, eps = self.cfg, self.cfg.rms_eps
+        cfg = self.cfg
         b = x.shape[0]
         cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
         pos = pos.contiguous()  # once here, not in every layer's kernel call
         lengths = pos + 1  # keys 0..pos are valid for this query
-        x = x.reshape(b, cfg.dim).contiguous()
-        h = rmsnorm(x, self.layers[0].input_layernorm.weight, eps)
-        for i, layer in enumerate(self.layers):
+
+        def attend(i: int, layer: DecoderLayer, h: Tensor) -> Tensor:
             att = layer.self_attn
             qkv = project(h, att.qkv_weight, att.qkv_bias, att.gemv_qkv)
             q = rotary_cache_write(qkv, cos, sin, pos, cache.k[i], cache.v[i], slots, cfg.n_heads, cfg.n_kv_heads)
             o = decode_attention(q, cache.k[i], cache.v[i], slots, lengths).reshape(b, cfg.n_heads * cfg.head_dim)
-            a = project(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o)
-            h, x = add_rmsnorm(a, x, layer.post_attention_layernorm.weight, eps)
-            m = layer.mlp.decode(h)
-            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else self.norm.weight
-            h, x = add_rmsnorm(m, x, nxt, eps)
+            return project(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o)
+
+        h = self._fused_norm_loop(x.reshape(b, cfg.dim).contiguous(), attend, lambda layer, h: layer.mlp.decode(h))
         return h.view(b, 1, cfg.dim)
 
     def fuse_projections(self) -> None:

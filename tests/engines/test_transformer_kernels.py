@@ -52,23 +52,10 @@ def test_kernels_equal_pytorch_on_cuda(dtype: torch.dtype, tol: float, fused: bo
     assert (fast - ref).norm() / ref.norm() < tol
 
 
-def _decode_steps(model: Transformer, x: torch.Tensor, fast: bool) -> torch.Tensor:
-    """Prefill 9 positions, then one-token steps; ``fast`` runs the steps through ``_decode``
-    (the CUDA fast path's kernels, here under TRITON_INTERPRET) instead of the plain PyTorch loop."""
-    cache = KVCache(CFG, n_slots=4, max_seq_len=64, device=x.device, dtype=x.dtype)
-    slots = torch.tensor([2, 0, 3], device=x.device)
-    b, t = x.shape[0], 9
-    pos = torch.arange(t, device=x.device)[None].expand(b, t)
-    outs = [model(x[:, :t], pos, cache, slots)]
-    for i in range(t, x.shape[1]):
-        p = torch.full((b, 1), i, device=x.device)
-        outs.append(model._decode(x[:, i:i + 1], p[:, 0], cache, slots) if fast else model(x[:, i:i + 1], p, cache, slots))
-    return torch.cat(outs, dim=1)
-
-
-def test_decode_fast_path_equals_plain_path_on_the_interpreter(monkeypatch) -> None:
-    """The one-token fast path (GEMV with fused SwiGLU, RoPE + cache write, decode attention, fused
-    norms; positions from the RoPE table) computes the same function as the plain loop, fp32."""
+def test_kernel_layer_loops_equal_plain_path_on_the_interpreter(monkeypatch) -> None:
+    """Both kernel layer loops — the fused-norm prefill loop and the one-token fast path (GEMV with
+    fused SwiGLU, RoPE + cache write, decode attention; positions from the RoPE table) — compute
+    the same function as the plain loop, fp32, under TRITON_INTERPRET."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -77,14 +64,15 @@ def test_decode_fast_path_equals_plain_path_on_the_interpreter(monkeypatch) -> N
 
     torch.manual_seed(0)
     model = Transformer(CFG).eval()
-    x = torch.randn(3, 12, CFG.dim)
+    x = torch.randn(3, 14, CFG.dim)
     with torch.no_grad():
-        ref = _decode_steps(model, x, fast=False)
+        ref = _run(model, x, False)
         monkeypatch.setattr(tr, "_GEMV", "1")
         model.fuse_projections()
         for layer in model.layers:  # what fuse() decides on CUDA; off CUDA it never picks the GEMV
             layer.self_attn.gemv_qkv = layer.self_attn.gemv_o = True
             layer.mlp.gemv_gate_up = layer.mlp.gemv_down = True
         assert model._decode_fusable()
-        fast = _decode_steps(model, x, fast=True)
+        monkeypatch.setattr(tr, "_fused_layer_loop", lambda x: True)
+        fast = _run(model, x, True)
     torch.testing.assert_close(fast, ref, rtol=2e-5, atol=2e-5)
