@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import cProfile
 import json
-import math
 import os
 import pstats
 import sys
@@ -42,45 +41,10 @@ PROMPTS = {
     "sentences": ("The committee met on Tuesday to discuss the new budget. After a long debate, they "
                   "agreed to fund the library renovation. Work will begin early next spring."),
 }
-SPECIALS = {"<|begin_of_text|>": 290, "<|end_of_text|>": 291, "<|AUDIO|>": 292, "<|audio_eos|>": 293}
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def tiny_csm(folder: Path) -> None:
-    """A random CSM with tiny widths and the real Mimi frame (1920 samples at 24 kHz, 12.5 Hz)."""
-    import torch
-    import transformers
-    from tokenizers import AddedToken, Tokenizer, models
-
-    codec = transformers.MimiConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
-        codebook_dim=8, codebook_size=64, num_filters=2, num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4],
-        vector_quantization_hidden_dimension=8, num_quantizers=8, num_semantic_quantizers=1, head_dim=8,
-        upsample_groups=16, sliding_window=8)
-    cfg = transformers.CsmConfig(
-        num_codebooks=8, vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, text_vocab_size=300, max_position_embeddings=1024,
-        pad_token_id=None, bos_token_id=290, eos_token_id=291, audio_token_id=292, audio_eos_token_id=293,
-        codebook_pad_token_id=66, codebook_eos_token_id=0,
-        depth_decoder_config=dict(num_codebooks=8, backbone_hidden_size=32, vocab_size=67, max_position_embeddings=8,
-                                  hidden_size=24, intermediate_size=48, num_hidden_layers=1, num_attention_heads=3,
-                                  num_key_value_heads=1),
-        codec_config=codec.to_dict())
-    torch.manual_seed(0)
-    model = transformers.CsmForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.startswith("codec_model."):
-                p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 1.0 / math.sqrt(p.shape[-1]))
-    model.save_pretrained(folder)
-    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
-    vocab.update(SPECIALS)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    tok.save(str(folder / "tokenizer.json"))
 
 
 class ModelClock:
@@ -191,41 +155,21 @@ def client_proc(url: str, text: str, fmt: str, rate: int, delays: list[float], s
 
 
 def serve_profiled(app, profiles: dict | None, deflate: bool = False):  # noqa: ANN001, ANN201
-    """liveserver.serve, with the uvicorn thread named and (optionally) under cProfile."""
-    import contextlib
+    """liveserver.serve, with the server loop (optionally) under cProfile."""
+    from liveserver import serve
 
-    import uvicorn
-    from liveserver import Live
-
-    @contextlib.contextmanager
-    def cm():  # noqa: ANN202
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                ws_max_size=4 << 20, ws_per_message_deflate=deflate)
-        server = uvicorn.Server(config)
-
-        def run() -> None:
-            if profiles is None:
-                server.run()
-                return
-            prof = profiles["event loop"] = cProfile.Profile(time.thread_time)
-            prof.enable()
-            try:
-                server.run()
-            finally:
-                prof.disable()
-
-        thread = threading.Thread(target=run, name="uvicorn", daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    def run(server_run) -> None:  # noqa: ANN001
+        if profiles is None:
+            server_run()
+            return
+        prof = profiles["event loop"] = cProfile.Profile(time.thread_time)
+        prof.enable()
         try:
-            yield Live("127.0.0.1", port, app)
+            server_run()
         finally:
-            server.should_exit = True
-            thread.join(30)
+            prof.disable()
 
-    return cm()
+    return serve(app, deflate=deflate, run=run)
 
 
 def profile_workers(profiles: dict) -> None:
@@ -275,7 +219,11 @@ def main() -> int:
     folder = args.tts_model
     if folder is None:
         folder = tmp.name
-        tiny_csm(Path(folder))
+        from tiny_csm import tiny_csm
+
+        # tiny widths, the real Mimi frame: 8·6·5·4 = 1920 samples = 80 ms at 24 kHz
+        tiny_csm(Path(folder), num_codebooks=8, vocab=67, codebook_size=64, num_filters=2,
+                 upsampling_ratios=(8, 6, 5, 4), max_positions=1024)
     slots = max(args.streams)
     backend = CSMBackend(folder, n_slots=slots, max_seq_len=1024)
     backend.warmup()

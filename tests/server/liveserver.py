@@ -6,7 +6,7 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -36,11 +36,16 @@ class Live:
 
 
 @contextmanager
-def serve(app: Starlette, ws_max_size: int = 4 << 20) -> Iterator[Live]:
+def serve(app: Starlette, ws_max_size: int = 4 << 20, deflate: bool = False,
+          run: Callable[[Callable[[], None]], None] | None = None) -> Iterator[Live]:
+    """uvicorn on 127.0.0.1, an ephemeral port, in a thread named "uvicorn". ``deflate`` offers
+    permessage-deflate (off, as `realtime serve`); ``run(server_run)``, if given, runs the server
+    loop in that thread (e.g. under a profiler)."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws_max_size=ws_max_size,
-                            lifespan="on", ws_per_message_deflate=False)  # as `realtime serve`
+                            lifespan="on", ws_per_message_deflate=deflate)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    target = server.run if run is None else (lambda: run(server.run))
+    thread = threading.Thread(target=target, name="uvicorn", daemon=True)
     thread.start()
     t0 = time.monotonic()
     while not server.started:

@@ -11,10 +11,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):  # noqa: ANN001, ANN201
-    from test_csm_server import _tiny_csm
+    from tiny_csm import tiny_csm
 
     d = tmp_path_factory.mktemp("csm_gpu")
-    _tiny_csm(d)
+    tiny_csm(d)
     return d
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import io
-import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
 from liveserver import serve
+from tiny_csm import tiny_csm
 
 from realtime.clients.tts import ServerError, TTSStream, synthesize_async
 from realtime.config import ServerConfig
@@ -21,52 +20,12 @@ from realtime.server import create_app
 
 transformers = pytest.importorskip("transformers")
 
-SPECIALS = {"<|begin_of_text|>": 290, "<|end_of_text|>": 291, "<|AUDIO|>": 292, "<|audio_eos|>": 293}
-
-
-def _tiny_csm(folder: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer, models
-
-    codec = transformers.MimiConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
-        codebook_dim=8, codebook_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[4, 4],
-        vector_quantization_hidden_dimension=8, num_quantizers=4, num_semantic_quantizers=1, head_dim=8,
-        upsample_groups=16, sliding_window=8)
-    cfg = transformers.CsmConfig(
-        num_codebooks=4, vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, text_vocab_size=300, max_position_embeddings=512,
-        pad_token_id=None, bos_token_id=290, eos_token_id=291, audio_token_id=292, audio_eos_token_id=293,
-        codebook_pad_token_id=15, codebook_eos_token_id=0,
-        depth_decoder_config=dict(num_codebooks=4, backbone_hidden_size=32, vocab_size=16, max_position_embeddings=4,
-                                  hidden_size=24, intermediate_size=48, num_hidden_layers=1, num_attention_heads=3,
-                                  num_key_value_heads=1),
-        codec_config=codec.to_dict())
-    torch.manual_seed(0)
-    model = transformers.CsmForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # O(1) activations: near-uniform logits would make greedy ties likely
-        for name, p in model.named_parameters():
-            if name.startswith("codec_model."):
-                continue
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif "embed" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 3.0 / math.sqrt(p.shape[-1]))
-    model.save_pretrained(folder)
-    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
-    vocab.update(SPECIALS)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    tok.save(str(folder / "tokenizer.json"))
-
-
 @pytest.fixture(scope="module")
 def csm_live(tmp_path_factory):  # noqa: ANN001, ANN201
     from realtime.tts_csm import CSMBackend
 
     folder = tmp_path_factory.mktemp("csm")
-    _tiny_csm(folder)
+    tiny_csm(folder)
     backend = CSMBackend(str(folder), n_slots=4, max_seq_len=512)
     app = create_app(ServerConfig(), tts=backend, services=[])
     with serve(app) as live:
@@ -143,7 +102,7 @@ def test_cli_say_local_with_csm_saves_codes(csm_live, tmp_path) -> None:  # noqa
     live, backend = csm_live
     folder = tmp_path / "model"
     folder.mkdir()
-    _tiny_csm(folder)
+    tiny_csm(folder)
     out, codes = tmp_path / "out.wav", tmp_path / "codes.npy"
     r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "hello there.", "--local", "--model", str(folder),
                         "-o", str(out), "--save-codes", str(codes)], capture_output=True, text=True, timeout=300)
