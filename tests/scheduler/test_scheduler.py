@@ -45,6 +45,13 @@ class FakeLane(Lane):
         self.released.append(job.id)
 
 
+def _wait_idle(sched: Scheduler, timeout: float = 5.0) -> None:
+    """Until the started scheduler has no active job (or ``timeout`` seconds pass)."""
+    deadline = time.monotonic() + timeout
+    while sched.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_pick_serves_the_earliest_deadline_first_and_batches() -> None:
     a, b = FakeLane("a", max_batch=2), FakeLane("b", max_batch=2)
     j1, j2, j3, j4 = FakeJob(5.0), FakeJob(1.0), FakeJob(3.0), FakeJob(2.0)
@@ -98,9 +105,7 @@ def test_scheduler_runs_jobs_on_worker_threads_and_reaps_them() -> None:
         sched.submit(FakeJob(0.0), [gen])
     sched.start()
     try:
-        deadline = time.monotonic() + 5
-        while sched.active and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_idle(sched)
         assert sched.active == 0
         assert all(j.ran == 3 and j.state is JobState.FINISHED for j in jobs)
         assert sorted(gen.released) == sorted(j.id for j in jobs)
@@ -248,9 +253,7 @@ def test_cuda_workers_accept_a_bare_or_indexed_device(device: str) -> None:
     sched.submit(job, [lane])
     sched.start()
     try:
-        deadline = time.monotonic() + 5
-        while sched.active and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_idle(sched)
         assert job.ran == 2 and job.state is JobState.FINISHED
     finally:
         sched.stop()
@@ -273,9 +276,7 @@ def test_a_lane_failing_while_picking_fails_its_jobs_not_the_worker() -> None:
     sched.submit(ok_job, [good])
     sched.start()
     try:
-        deadline = time.monotonic() + 5
-        while sched.active and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_idle(sched)
         assert bad_job.state is JobState.FAILED and isinstance(bad_job.error, RuntimeError)
         assert ok_job.ran == 2 and ok_job.state is JobState.FINISHED
         assert sched.workers["generator"].thread.is_alive()
