@@ -41,7 +41,7 @@ from realtime.engines.sampling import sample
 from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, project, rope_frequencies, use_gemv, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
-__all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM", "CSMStepGraphs"]
+__all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM", "CSMStepGraphs", "CSMPrefillGraphs"]
 
 # Llama 3 special-token ids, used only when the checkpoint folder has no tokenizer.json.
 _LLAMA3_BEGIN_OF_TEXT = 128000
@@ -490,25 +490,60 @@ class CSM(nn.Module):
     @torch.no_grad()
     def prefill(self, state: CSMBatchState, slot: int, prompt: CSMPrompt | Tensor) -> None:
         """Run the prompt through the backbone into ``slot`` (reset first; it starts over at position 0)."""
-        if not isinstance(prompt, CSMPrompt):
-            prompt = self.prompt_from_ids(prompt)
-        if not 0 <= slot < state.n_slots:
-            raise ConfigError(f"slot {slot} outside 0..{state.n_slots - 1}")
-        t = len(prompt)
-        if t >= state.max_seq_len:
-            raise UnsupportedError(f"prompt of {t} positions does not fit the {state.max_seq_len}-position cache")
-        dev = self.device
-        # Zero the slot first: masked-out stale keys cannot matter, but a NaN left in a stale value row
+        self.prefill_many(state, [slot], [prompt])
+
+    @torch.no_grad()
+    def prefill_many(self, state: CSMBatchState, slots: Sequence[int], prompts: Sequence[CSMPrompt | Tensor],
+                     graphs: "CSMPrefillGraphs | None" = None) -> None:
+        """Prefill several slots in one batched backbone pass (each slot reset first, starting at 0).
+
+        The prompts are right-padded to the longest; causal attention keeps a real position from
+        seeing the padding after it, so each slot ends exactly as its own ``prefill`` would leave
+        it. ``graphs`` (from ``capture_prefill``) replays the pass from a CUDA graph when one of its
+        buckets holds the batch.
+        """
+        prompts = [p if isinstance(p, CSMPrompt) else self.prompt_from_ids(p) for p in prompts]
+        if len(slots) != len(prompts) or not prompts:
+            raise ConfigError(f"prefill_many needs one prompt per slot, got {len(slots)} slots and {len(prompts)} prompts")
+        if len(set(slots)) != len(slots):
+            raise ConfigError(f"prefill_many got duplicate slots {list(slots)}")
+        for slot, prompt in zip(slots, prompts, strict=True):
+            if not 0 <= slot < state.n_slots:
+                raise ConfigError(f"slot {slot} outside 0..{state.n_slots - 1}")
+            if not 0 < len(prompt) < state.max_seq_len:
+                raise UnsupportedError(f"prompt of {len(prompt)} positions does not fit the {state.max_seq_len}-position cache")
+        # Zero the slots first: masked-out stale keys cannot matter, but a NaN left in a stale value row
         # would survive its zero attention weight (0 * NaN).
-        state.reset([slot])
-        x = self.embed_prompt(prompt)[None]
-        pos = torch.arange(t, device=dev)[None]
-        slots = torch.tensor([slot], dtype=torch.long, device=dev)
-        h = self.backbone(x, pos, state.backbone_cache, slots)
-        state.hidden[slot] = h[0, -1]
-        state.pos[slot] = t
-        state.frames[slot] = 0
-        state.lengths[slot] = t
+        state.reset(list(slots))
+        lengths = [len(p) for p in prompts]
+        if graphs is not None and graphs.fits(len(prompts), max(lengths)):
+            graphs(slots, prompts)
+        else:
+            rows = _pad_prompts(prompts, max(lengths), len(prompts), self.num_codebooks)
+            dev = self.device
+            self._prefill_rows(state, torch.tensor(list(slots), dtype=torch.long, device=dev),
+                               *(t.to(dev) for t in rows), torch.tensor(lengths, device=dev))
+        for slot, t in zip(slots, lengths, strict=True):
+            state.lengths[slot] = t
+
+    def _prefill_rows(self, state: CSMBatchState, slots: Tensor, ids: Tensor, codes: Tensor, is_audio: Tensor,
+                      lengths: Tensor) -> None:
+        """The device part of ``prefill_many``: slots [B], ids [B, T], codes [B, T, K], is_audio [B, T],
+        lengths [B] (>= 1) -> the slots' cache, hidden state and position. No host syncs: capturable.
+        Rows past a prompt's length are padding; padding rows may use the scratch slot."""
+        b, t = ids.shape
+        x = torch.where(is_audio[..., None], self.embed_frames(codes), self.embed_text(ids))  # [B, T, D]
+        pos = torch.arange(t, device=ids.device)[None].expand(b, t)
+        h = self.backbone(x, pos, state.backbone_cache, slots, fresh=True)
+        state.hidden[slots] = h[torch.arange(b, device=ids.device), lengths - 1]
+        state.pos[slots] = lengths
+        state.frames[slots] = 0
+        state.pos[state.scratch:].zero_()  # a padding row in the scratch slot: keep it at 0
+
+    def capture_prefill(self, state: CSMBatchState, batches: Sequence[int] = (1, 4, 16),
+                        lengths: Sequence[int] = (32, 64, 128, 256, 512)) -> "CSMPrefillGraphs":
+        """CUDA graphs of ``prefill_many`` for each (batch, padded length) bucket (see CSMPrefillGraphs)."""
+        return CSMPrefillGraphs(self, state, batches, lengths)
 
     @torch.no_grad()
     def step(
@@ -715,6 +750,82 @@ class CSMStepGraphs:
         g_seeds.copy_(torch.cat([torch.as_tensor(seeds, dtype=torch.long).cpu(), torch.zeros(pad, dtype=torch.long)]), non_blocking=True)
         graph.replay()
         return out[:b].clone()
+
+
+def _pad_prompts(prompts: Sequence[CSMPrompt], t: int, b: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompts right-padded into host tensors ids [b, t], codes [b, t, K], is_audio [b, t] (rows past
+    len(prompts) and positions past each prompt: text id 0)."""
+    ids = torch.zeros(b, t, dtype=torch.long)
+    codes = torch.zeros(b, t, k, dtype=torch.long)
+    is_audio = torch.zeros(b, t, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        n = len(p)
+        ids[i, :n] = p.ids
+        codes[i, :n] = p.codes
+        is_audio[i, :n] = p.is_audio
+    return ids, codes, is_audio
+
+
+class CSMPrefillGraphs:
+    """``CSM.prefill_many`` replayed from CUDA graphs, one per (batch, padded length) bucket.
+
+    An eager prefill of CSM-1B is ~250 kernel launches from Python, ~10x its GPU time at the short
+    prompts speech starts with, and a burst of new streams queued them one by one. A replay costs
+    the GPU time of the bucket's padded shape. Call through ``CSM.prefill_many(..., graphs=...)``,
+    which resets the slots and keeps the host-side lengths; ``fits(B, T)`` says whether a bucket
+    holds the batch. The graphs hold the state's tensors: use them with that state only.
+    """
+
+    def __init__(self, csm: CSM, state: CSMBatchState, batches: Sequence[int], lengths: Sequence[int]) -> None:
+        if csm.device.type != "cuda":
+            raise UnsupportedError("CUDA graphs need a CUDA device")
+        self.csm, self.state = csm, state
+        self.batches = sorted({int(n) for n in batches if int(n) > 0})
+        self.lengths = sorted({int(n) for n in lengths if 0 < int(n) < state.max_seq_len})
+        if not self.batches or not self.lengths:
+            raise ConfigError("capture_prefill needs positive batch sizes and lengths below the cache length")
+        dev, k = csm.device, csm.num_codebooks
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[Tensor]]] = {}
+        # Largest first: the smaller graphs reuse its pool memory.
+        for b in reversed(self.batches):
+            for t in reversed(self.lengths):
+                inputs = [
+                    torch.full((b,), state.scratch, dtype=torch.long, device=dev),
+                    torch.zeros(b, t, dtype=torch.long, device=dev),
+                    torch.zeros(b, t, k, dtype=torch.long, device=dev),
+                    torch.zeros(b, t, dtype=torch.bool, device=dev),
+                    torch.ones(b, dtype=torch.long, device=dev),
+                ]
+                with torch.no_grad():
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):  # warm-up in the scratch slot only
+                        csm._prefill_rows(state, *inputs)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        csm._prefill_rows(state, *inputs)
+                self.graphs[(b, t)] = (graph, inputs)
+        torch.cuda.synchronize()
+
+    def fits(self, b: int, t: int) -> bool:
+        return b <= self.batches[-1] and t <= self.lengths[-1]
+
+    @torch.no_grad()
+    def __call__(self, slots: Sequence[int], prompts: Sequence[CSMPrompt]) -> None:
+        n, longest = len(prompts), max(len(p) for p in prompts)
+        b = next(m for m in self.batches if m >= n)
+        t = next(m for m in self.lengths if m >= longest)
+        graph, (g_slots, g_ids, g_codes, g_audio, g_len) = self.graphs[(b, t)]
+        ids, codes, is_audio = _pad_prompts(prompts, t, b, self.csm.num_codebooks)
+        lengths = torch.ones(b, dtype=torch.long)
+        lengths[:n] = torch.tensor([len(p) for p in prompts])
+        rows = torch.full((b,), self.state.scratch, dtype=torch.long)
+        rows[:n] = torch.tensor(list(slots), dtype=torch.long)
+        for dst, src in zip((g_slots, g_ids, g_codes, g_audio, g_len), (rows, ids, codes, is_audio, lengths), strict=True):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
 
 
 def _read_safetensors(root: Path) -> dict[str, Tensor]:

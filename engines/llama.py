@@ -279,7 +279,7 @@ class TextModel(nn.Module):
             raise ProtocolError(f"context of {start_pos + t} tokens exceeds the cache length {cache.max_seq_len}")
         pos = torch.arange(start_pos, start_pos + t, device=self.device)[None]
         slots = torch.tensor([slot], dtype=torch.long, device=self.device)
-        h = self.transformer(self.embed_tokens(ids_t), pos, cache=cache, slots=slots)
+        h = self.transformer(self.embed_tokens(ids_t), pos, cache=cache, slots=slots, fresh=start_pos == 0)
         return self._logits(h[0, -1])
 
     @torch.inference_mode()

@@ -275,7 +275,8 @@ class Attention(nn.Module):
         slots: Tensor | None,
         pos: Tensor,
     ) -> Tensor:
-        """x [B, T, dim]; cos/sin [B, 1, T, D]; mask [B, 1, T, S] bool or None (causal) -> [B, T, dim]."""
+        """x [B, T, dim]; cos/sin [B, 1, T, D]; mask [B, 1, T, S] bool over the cache's keys, or None:
+        causal over the T inputs alone (no cache, or a fresh prefill that also writes them to it) -> [B, T, dim]."""
         cfg = self.cfg
         b, t, _ = x.shape
         if self.qkv_weight is not None:  # one GEMM for q|k|v (see Transformer.fuse_projections)
@@ -313,9 +314,14 @@ class Attention(nn.Module):
             # Advanced indices [B,1] and [B,T] separated by a slice: the indexed view is [B, T, Hkv, D].
             cache.k[layer, slots[:, None], :, pos] = k.transpose(1, 2).to(cache.dtype)
             cache.v[layer, slots[:, None], :, pos] = v.transpose(1, 2).to(cache.dtype)
-            k = cache.k[layer, slots].to(q.dtype)  # [B, Hkv, S, D]
-            v = cache.v[layer, slots].to(q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
+            if mask is None:  # a fresh prefill: these T inputs are all the keys (see Transformer.forward)
+                if cache.dtype != q.dtype:  # attend to what the cache holds, as the masked path does
+                    k, v = k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
+            else:
+                k = cache.k[layer, slots].to(q.dtype)  # [B, Hkv, S, D]
+                v = cache.v[layer, slots].to(q.dtype)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.n_heads * cfg.head_dim))
@@ -420,11 +426,16 @@ class Transformer(nn.Module):
         pos: Tensor,
         cache: KVCache | None = None,
         slots: Tensor | None = None,
+        fresh: bool = False,
     ) -> Tensor:
         """x [B, T, dim], pos [B, T] absolute positions -> hidden states [B, T, dim] after the final norm.
 
         With a cache: writes K/V of these T positions into cache[slots] at ``pos`` and attends over
         cache positions <= each query's position. Without: plain causal attention over the T inputs.
+        ``fresh`` (with a cache) is the caller's promise that every row starts at position 0
+        (pos[b, t] == t) and has nothing else in its slot: the K/V are still written, but attention
+        is causal over the T inputs alone — no gather of the slot's whole cache, no [T, S] mask. Rows
+        may be right-padded: a real position never attends to a later (padding) one.
         """
         fused = _fused_layer_loop(x)
         if fused and cache is not None and x.shape[1] == 1 and self._decode_fusable():
@@ -440,7 +451,8 @@ class Transformer(nn.Module):
         if cache is not None:
             if slots is None:
                 raise ConfigError("Transformer.forward: a cache needs slots")
-            mask = (cache.key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+            if not fresh:
+                mask = (cache.key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         if fused:
             return self._layers_fused_norms(x, cos, sin, mask, cache, slots, pos)
         for i, layer in enumerate(self.layers):

@@ -19,14 +19,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from realtime.errors import OverloadedError, UnsupportedError
+from realtime.errors import OverloadedError, RealtimeError, UnsupportedError
 from realtime.protocol.tts import StartParams
 from realtime.scheduler import Job, Lane
 from realtime.tts import OUTPUT_RESERVE, TTSBackend, TTSJob, emit_pcm_rows
+
+if TYPE_CHECKING:
+    from realtime.engines.csm import CSMPrompt
 
 log = logging.getLogger("realtime.csm")
 
@@ -97,20 +101,38 @@ class CSMFrameLane(Lane):
         b = self.b
         t0 = time.perf_counter()
         stepping: list[TTSJob] = []
+        starting: list[tuple[TTSJob, str, CSMPrompt]] = []  # streams beginning a text segment
         for job in jobs:
             st: CSMState = job.engine_state
-            if not st.generating:
+            if st.generating:
+                stepping.append(job)
+                continue
+            with job.lock:
+                seg = job.next_segment_locked()
+                if seg is None:
+                    continue
+                st.inflight += 1
+            try:
+                prompt = self._prompt(job, st, seg)
+            except RealtimeError as exc:  # this stream's input: fail it alone, not its batch mates
                 with job.lock:
-                    seg = job.next_segment_locked()
-                    if seg is None:
-                        continue
-                    st.inflight += 1
-                try:
-                    self._prefill(job, st, seg)
-                finally:
-                    with job.lock:
-                        st.inflight -= 1
-            stepping.append(job)
+                    st.inflight -= 1
+                job.fail(exc)
+                continue
+            starting.append((job, seg, prompt))
+        try:
+            # One batched (graphed, on CUDA) prefill per group instead of one eager pass per stream:
+            # a burst of new streams no longer queues behind each other's prefills.
+            for i in range(0, len(starting), b.prefill_batch):
+                group = starting[i:i + b.prefill_batch]
+                b.prefill([j.engine_state.slot for j, _, _ in group], [p for _, _, p in group])
+            for job, seg, prompt in starting:
+                self._begin(job.engine_state, seg, prompt)
+                stepping.append(job)
+        finally:
+            for job, _, _ in starting:
+                with job.lock:
+                    job.engine_state.inflight -= 1
         if not stepping:
             return
         slots = torch.tensor([j.engine_state.slot for j in stepping], dtype=torch.long)
@@ -139,7 +161,8 @@ class CSMFrameLane(Lane):
                     st.codes.append(None)  # utterance boundary for the codec lane
         self.wake(MimiDecodeLane.worker)  # the new frames: decode them now
 
-    def _prefill(self, job: TTSJob, st: CSMState, seg: str) -> None:
+    def _prompt(self, job: TTSJob, st: CSMState, seg: str) -> "CSMPrompt":
+        """The backbone prompt of a new segment: [voice reference turn] [last segment] segment."""
         b = self.b
         if job.params.reference_audio is not None and st.ref_codes is None:
             st.ref_codes = b.encode_reference(job.params.reference_audio)
@@ -149,13 +172,15 @@ class CSMFrameLane(Lane):
         if st.last_turn is not None and st.last_turn[1]:
             context.append((job.params.speaker, st.last_turn[0], torch.from_numpy(np.stack(st.last_turn[1]))))
         prompt = b.csm.build_prompt(seg, job.params.speaker, context)
-        room = b.state.max_seq_len - len(prompt) - 1
-        if room < MIN_FRAMES and context:
+        if b.state.max_seq_len - len(prompt) - 1 < MIN_FRAMES and context:
             prompt = b.csm.build_prompt(seg, job.params.speaker, context[:1])  # drop the history
-            room = b.state.max_seq_len - len(prompt) - 1
-        if room < 1:
+        if b.state.max_seq_len - len(prompt) - 1 < 1:
             raise UnsupportedError("the text segment does not fit the model's context")
-        b.csm.prefill(b.state, st.slot, prompt)
+        return prompt
+
+    def _begin(self, st: CSMState, seg: str, prompt: "CSMPrompt") -> None:
+        """The segment's prompt is in the slot: frames may follow."""
+        room = self.b.state.max_seq_len - len(prompt) - 1
         st.generating = True
         st.segment = seg
         st.frames_in_segment = 0
@@ -249,7 +274,8 @@ class CSMBackend(TTSBackend):
         self.pool = SlotPool(n_slots)
         on_cuda = str(generator_device).startswith("cuda") and str(codec_device).startswith("cuda")
         self.cuda_graphs = on_cuda if cuda_graphs is None else (cuda_graphs and on_cuda)
-        self.step_graphs = self.decode_graphs = None
+        self.step_graphs = self.decode_graphs = self.prefill_graphs = None
+        self.prefill_batch = 16  # streams prefilled together (the largest prefill graph's batch)
         self.native_rate = int(self.mimi.sample_rate)
         self.codebook_size = int(self.mimi.cfg.codebook_size)
         self.name = "csm"
@@ -298,6 +324,10 @@ class CSMBackend(TTSBackend):
         if self.step_graphs is None:
             return self.csm.step(self.state, slots, temp, top_k, seeds).cpu()
         return self.step_graphs(slots, temp, top_k, seeds).cpu()
+
+    def prefill(self, slots: list[int], prompts: list["CSMPrompt"]) -> None:
+        """Prompts into their slots in one batched pass (a CUDA graph when a bucket holds them)."""
+        self.csm.prefill_many(self.state, slots, prompts, graphs=self.prefill_graphs)
 
     def reset_dirty_slots(self) -> None:
         with self.pool.lock:
@@ -397,6 +427,11 @@ class CSMBackend(TTSBackend):
         t0 = time.perf_counter()
         self.step_graphs = self.csm.capture_step(self.state, sizes=buckets)
         log.info("captured csm.step for batches %s in %.1fs", buckets, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self.prefill_graphs = self.csm.capture_prefill(self.state, batches=[n for n in (1, 4, 16) if n <= self.n_slots] or [1])
+        self.prefill_batch = self.prefill_graphs.batches[-1]
+        log.info("captured csm.prefill for batches %s x lengths %s in %.1fs", self.prefill_graphs.batches,
+                 self.prefill_graphs.lengths, time.perf_counter() - t0)
 
         def dec_inputs(b: int) -> list[torch.Tensor]:
             return [torch.full((b,), self.scratch, dtype=torch.long, device=cdev),
@@ -411,8 +446,7 @@ class CSMBackend(TTSBackend):
             self.capture_graphs()
         slot = self.pool.take()
         try:
-            prompt = self.csm.build_prompt("Warm up.", 0)
-            self.csm.prefill(self.state, slot, prompt)
+            self.prefill([slot], [self.csm.build_prompt("Warm up.", 0)])
             s = torch.tensor([slot])
             codes = self.csm.step(self.state, s, torch.tensor([0.0]), torch.tensor([50]), torch.tensor([0]))
             self.decode_slots(s, codes.cpu()[:, :, None])

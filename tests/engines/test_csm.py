@@ -291,6 +291,53 @@ def test_batched_sessions_equal_solo(ckpts):
         torch.testing.assert_close(torch.stack(out[i]), solo[i], rtol=0, atol=0)
 
 
+def _mixed_prompts(ours) -> list:
+    """Prompts of different lengths, two with audio context turns (audio positions in the batch)."""
+    k, v = ours.num_codebooks, ours.audio_vocab_size
+    torch.manual_seed(12)
+    ref = torch.randint(1, v, (3, k))
+    last = torch.randint(1, v, (5, k))
+    return [ours.build_prompt("hi", 0), ours.build_prompt("xyz!", 1, [(1, "ab", ref)]),
+            ours.build_prompt("a longer line", 0, [(0, "cd", ref), (0, "ef", last)]), ours.build_prompt("q", 1)]
+
+
+def _assert_same_slots(ours, a, b, slots, prompts, exact: bool) -> None:
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-5}
+    for slot, p in zip(slots, prompts):
+        t = len(p)
+        assert a.lengths[slot] == b.lengths[slot] == t
+        assert int(a.pos[slot]) == int(b.pos[slot]) == t and int(a.frames[slot]) == 0
+        torch.testing.assert_close(a.hidden[slot], b.hidden[slot], **tol)
+        for ca, cb in ((a.backbone_cache.k, b.backbone_cache.k), (a.backbone_cache.v, b.backbone_cache.v)):
+            torch.testing.assert_close(ca[:, slot, :, :t], cb[:, slot, :, :t], **tol)
+    # Then the same frames, greedy and sampled.
+    slots_t = torch.tensor(slots)
+    n = len(slots)
+    temp, tk, seeds = torch.tensor([0.0, 1.0, 0.0, 0.8][:n]), torch.tensor([0, 5, 0, 3][:n]), torch.arange(n)
+    for _ in range(4):
+        torch.testing.assert_close(ours.step(a, slots_t, temp, tk, seeds), ours.step(b, slots_t, temp, tk, seeds),
+                                   rtol=0, atol=0)
+
+
+def test_batched_prefill_equals_solo(ckpts):
+    """prefill_many (right-padded rows, causal attention over the fresh inputs) leaves each slot as
+    its own prefill does, including audio positions and a slot that held an earlier session."""
+    _, _, ours = ckpts["k4_llama3"]
+    prompts = _mixed_prompts(ours)
+    slots = [2, 0, 3, 1]
+    solo, batched = ours.new_batch(5, 64), ours.new_batch(5, 64)
+    for slot, p in zip(slots, prompts):
+        ours.prefill(solo, slot, p)
+    ours.prefill_many(batched, [0], [prompts[2]])  # slot 0 used before: prefill_many must reset it
+    ours.step(batched, torch.tensor([0]), torch.tensor([0.0]), torch.tensor([0]), torch.tensor([0]))
+    ours.prefill_many(batched, slots, prompts)
+    _assert_same_slots(ours, solo, batched, slots, prompts, exact=False)
+    with pytest.raises(ConfigError, match="duplicate"):
+        ours.prefill_many(batched, [1, 1], prompts[:2])
+    with pytest.raises(UnsupportedError, match="does not fit"):
+        ours.prefill_many(batched, [1, 2], [prompts[0], ours.prompt_from_ids(torch.arange(64)[None])])
+
+
 def _copy_ckpt(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -442,3 +489,20 @@ def test_cuda_graph_step_equals_solo(ckpts):
             out[i].append(codes[row].cpu())
     for i in range(3):
         torch.testing.assert_close(torch.stack(out[i]), solo[i], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_prefill_equals_eager(ckpts):
+    folder, _, _ = ckpts["k4_llama3"]
+    gpu = CSM.from_pretrained(folder, device="cuda", dtype=torch.float32)
+    prompts = _mixed_prompts(gpu)
+    slots = [2, 0, 3, 1]
+    eager, graphed = gpu.new_batch(5, 64), gpu.new_batch(5, 64)
+    graphs = gpu.capture_prefill(graphed, batches=(1, 4), lengths=(16, 64))
+    assert [len(p) for p in prompts] == [7, 20, 42, 6]
+    assert graphs.fits(4, 64) and not graphs.fits(5, 8) and not graphs.fits(1, 65)
+    for slot, p in zip(slots, prompts):
+        gpu.prefill(eager, slot, p)
+    gpu.prefill_many(graphed, slots[:1], prompts[:1], graphs=graphs)  # bucket (1, 16)
+    gpu.prefill_many(graphed, slots, prompts, graphs=graphs)  # bucket (4, 64)
+    _assert_same_slots(gpu, eager, graphed, slots, prompts, exact=False)

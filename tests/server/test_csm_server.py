@@ -95,6 +95,26 @@ async def test_voice_reference_is_accepted_and_bad_one_refused(csm_live) -> None
     assert exc.value.code == "unsupported" and "context" in exc.value.message
 
 
+async def test_a_stream_whose_prompt_does_not_fit_fails_alone(csm_live) -> None:  # noqa: ANN001
+    """New streams are prefilled together; one whose voice reference overflows the context is
+    refused without costing the streams that start beside it their audio."""
+    live, backend = csm_live
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(24000 * 2, dtype=np.float32), 24000, format="WAV")  # too long for 512 positions
+    bad = {"audio": buf.getvalue(), "text": "t"}
+    texts = ["first good one.", "second good one."]
+    results = await asyncio.gather(
+        synthesize_async(f"{live.ws}/v1/tts", texts[0], extra={"temperature": 0}),
+        synthesize_async(f"{live.ws}/v1/tts", "x.", reference=bad),
+        synthesize_async(f"{live.ws}/v1/tts", texts[1], extra={"temperature": 0}),
+        return_exceptions=True)
+    assert isinstance(results[1], ServerError) and results[1].code == "unsupported"
+    for text, got in zip(texts, (results[0], results[2]), strict=True):
+        assert not isinstance(got, BaseException), got
+        ref = _offline(backend, text)
+        assert len(got[0]) == len(ref) and np.abs(got[0] - ref).max() < 1e-4
+
+
 def test_cli_say_local_with_csm_saves_codes(csm_live, tmp_path) -> None:  # noqa: ANN001
     import subprocess
     import sys
