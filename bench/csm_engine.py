@@ -195,6 +195,10 @@ def main() -> int:
     res["gemv_measured"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in c.items()} for c in gemv.choices()]
     for c in res["gemv_measured"]:
         log(f"GEMV choice {c}")
+    from realtime.kernels import sampling
+
+    res["sampler_warps_measured"] = sampling.choices()
+    log(f"sampler warps {res['sampler_warps_measured']}")
     res["gpu_mem_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
@@ -247,6 +251,31 @@ def _bench_variant(args, res: dict, b, csm, tag: str, graphs: bool, text: str) -
             res["profile_mimi_b1"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
             print(res["profile_mimi_b1"], flush=True)
         log(f"ours {tag} Mimi decode batch {bsz}: {res[f'ours_{tag}_b{bsz}_mimi_decode_ms']:.2f} ms")
+    if graphs and tag == args.variants[-1] and b.prefill_graphs is not None:
+        _bench_prefill(res, b, csm, tag, text)
+
+
+def _bench_prefill(res: dict, b, csm, tag: str, text: str) -> None:  # noqa: ANN001
+    """Prefill time, eager (one batched pass of PyTorch calls) vs replayed from the prefill graphs,
+    for "Hello." alone, the sentence after a ~5 s voice reference (62 frames), and 16 new streams."""
+    torch.manual_seed(0)
+    ref = torch.randint(0, 2048, (62, csm.num_codebooks))
+    cases = {"hello": [csm.build_prompt("Hello.", 0)],
+             "sentence_after_5s_reference": [csm.build_prompt(text, 0, [(0, "A reference voice.", ref)])],
+             "16_streams_sentence": [csm.build_prompt(text, 0)] * 16}
+    for name, prompts in cases.items():
+        n = len(prompts)
+        if n > b.n_slots:
+            continue
+        slots = list(range(n))
+        for mode, graphs in (("eager", None), ("graphed", b.prefill_graphs)):
+            run = lambda: csm.prefill_many(b.state, slots, prompts, graphs=graphs)  # noqa: E731
+            for _ in range(3):
+                run()
+            ms = statistics.median(cuda_time(run, 10)) * 1000
+            res[f"ours_{tag}_prefill_{name}_{mode}_ms"] = ms
+            log(f"prefill {name} ({n} x {len(prompts[0])} positions) {mode}: {ms:.2f} ms")
+        b.state.reset(slots)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ argmax over the kept tokens. Rows with top-k off or greedy rows skip the select.
 
 Small vocabularies (V <= 8192: CSM's 2051 audio codes) take a second kernel that holds the whole
 row in registers and finds the same k-th largest key by bisection over its 32 bits (32 counting
-reductions, no histograms and no re-reads of the row); it returns the same tokens.
+reductions, no histograms and no re-reads of the row); it returns the same tokens. Its warps per
+row are measured once per vocabulary size on the GPU (``_small_warps``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from ._triton import check, use_triton
 
-__all__ = ["sample", "sample_ref"]
+__all__ = ["sample", "sample_ref", "choices"]
 
 _BLOCK_V = 2048  # vocab entries per inner step
 _SMALL_V = 8192  # rows up to this size are held in registers by the small-vocabulary kernel (< 2**16)
@@ -199,11 +200,68 @@ def _kernels():
     return _sample_kernel, _sample_small_kernel
 
 
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
+_WARP_OPTIONS = (2, 4, 8)  # one warp: 128 keys a thread, minutes of ptxas
+_small_choice: dict[tuple, int] = {}
+_small_timings: dict[tuple, dict[int, float]] = {}
+
+
+def _small_warps(v: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Warps per row for the small-vocabulary kernel, measured once per (V, dtype, device).
+
+    The kernel's 32 counting reductions are block-wide; with fewer warps each is a shuffle within
+    fewer warps and less shared memory, but each thread holds more of the row. Which wins depends
+    on V and the GPU, so the first call outside a CUDA-graph capture times 64 launches of each
+    option (replayed from a graph, median of 5) on a random [1, V] row and keeps the fastest.
+    """
+    key = (v, dtype, str(device))
+    if key in _small_choice:
+        return _small_choice[key]
+    if torch.cuda.is_current_stream_capturing():
+        return 8  # cannot time now; the warm-up before a capture normally made the choice
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(1, v, device=device, generator=gen).to(dtype) * 3
+    temp = torch.ones(1, device=device)
+    top_k = torch.full((1,), 50, dtype=torch.long, device=device)
+    seeds = torch.zeros(1, dtype=torch.long, device=device)
+    steps = torch.zeros(1, dtype=torch.long, device=device)
+    times: dict[int, float] = {}
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for w in _WARP_OPTIONS:
+            sample(logits, temp, top_k, seeds, steps, num_warps=w)  # compile outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                for _ in range(64):
+                    sample(logits, temp, top_k, seeds, steps, num_warps=w)
+            runs = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(side)
+                graph.replay()
+                b.record(side)
+                b.synchronize()
+                runs.append(a.elapsed_time(b) * 1e3 / 64)
+            times[w] = sorted(runs)[len(runs) // 2]
+    torch.cuda.current_stream(device).wait_stream(side)
+    best = min(times, key=times.__getitem__)
+    _small_choice[key], _small_timings[key] = best, times
+    return best
+
+
+def choices() -> list[dict]:
+    """The small-vocabulary kernel's measured warps per (V, dtype, device): µs per row for each option."""
+    return [{"V": k[0], "dtype": str(k[1]), "device": k[2], "warps": _small_choice[k],
+             "us": {w: round(t, 2) for w, t in _small_timings[k].items()}} for k in _small_timings]
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
+           num_warps: int | None = None) -> Tensor:
     """logits [B, V]; temperature [B] (<= 0: greedy); top_k [B] (<= 0: off); seeds, steps [B] -> tokens [B] long.
 
     = ``realtime.engines.sampling.sample(logits, temperature, top_k, ones, seeds, steps)``.
-    No host sync: per-row scalars are cast on the device.
+    No host sync: per-row scalars are cast on the device. ``num_warps`` overrides the measured
+    choice for small vocabularies (see ``_small_warps``; tests run every option).
     """
     if not use_triton("sample", logits, temperature, top_k, seeds, steps):
         return sample_ref(logits, temperature, top_k, seeds, steps)
@@ -222,9 +280,10 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
     sd = seeds.to(dtype=torch.long).contiguous()
     st = steps.to(dtype=torch.long).contiguous()
     if v <= _SMALL_V:
+        warps = num_warps or (_small_warps(v, logits.dtype, logits.device) if logits.is_cuda else 8)
         small_kernel[(b,)](
             logits, temp, k, sd, st, out, v, logits.stride(0),
-            BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=8,
+            BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=warps,
         )
         return out
     kernel[(b,)](

@@ -29,6 +29,7 @@ from realtime.engines.sampling import uniform_noise  # noqa: E402
 from realtime.engines.transformer import KVCache, TransformerConfig  # noqa: E402
 from realtime.kernels import _triton  # noqa: E402
 from realtime.kernels import gemv  # noqa: E402
+from realtime.kernels import sampling as fused_sampling  # noqa: E402
 from realtime.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
 from realtime.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cache_write, rotary_cache_write_ref  # noqa: E402
@@ -414,7 +415,8 @@ for dt in ("bf16", "fp32"):
     big, small = sampling._kernels()
     sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
     comp(big, sig, dict(N_BLOCKS=63, BLOCK_V=2048, LIBDEVICE_LOG=True), 8)
-    comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True), 8)
+    for warps in (2, 8):
+        comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True), warps)
 print("compiled")
 """
 
@@ -561,5 +563,9 @@ def test_gpu_sample_equals_engine(v):
     assert torch.equal(flat, uniform_noise(seeds, steps, v).argmax(-1))
     eager, replay = _graph(lambda: sample(logits, temp, top_k, seeds, steps))
     assert torch.equal(eager, replay)
+    if v <= fused_sampling._SMALL_V:  # every warp count the load-time choice may pick gives the same tokens
+        for w in fused_sampling._WARP_OPTIONS:
+            assert torch.equal(sample(logits, temp, top_k, seeds, steps, num_warps=w), want), w
+        print("\n", fused_sampling.choices())
     print(f"\nsample B=24 V={v}: kernel {_time_us(lambda: sample(logits, temp, top_k, seeds, steps)):.1f} us, "
           f"ref {_time_us(lambda: sample_ref(logits, temp, top_k, seeds, steps)):.1f} us")
