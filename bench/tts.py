@@ -32,7 +32,25 @@ PROMPTS = {
     "short": "Hello there, how are you today?",
     "sentences": ("The committee met on Tuesday to discuss the new budget. After a long debate, they "
                   "agreed to fund the library renovation. Work will begin early next spring."),
+    # "short" after a 5 s voice reference (CSM): the speech clip of tests/assets + 1.9 s of silence
+    "reference": "Hello there, how are you today?",
 }
+REFERENCE_S = 5.0
+REFERENCE_CLIP = ROOT / "tests" / "assets" / "arctic_a0009.wav"
+REFERENCE_TEXT = "He turned sharply, and faced Gregson across the table."
+
+
+def reference_wav() -> dict:
+    """The voice reference of the "reference" prompt: {audio: WAV bytes of REFERENCE_S seconds, text}."""
+    import io
+
+    import soundfile as sf
+
+    audio, rate = sf.read(REFERENCE_CLIP, dtype="float32")
+    audio = np.concatenate([audio, np.zeros(int(REFERENCE_S * rate) - len(audio), dtype=np.float32)])
+    buf = io.BytesIO()
+    sf.write(buf, audio, rate, format="WAV")
+    return {"audio": buf.getvalue(), "text": REFERENCE_TEXT}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -43,12 +61,12 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-async def one_stream(url: str, text: str, rate: int, start_delay: float = 0.0) -> dict:
+async def one_stream(url: str, text: str, rate: int, start_delay: float = 0.0, reference: dict | None = None) -> dict:
     from realtime.clients.tts import TTSStream
 
     await asyncio.sleep(start_delay)
     t_open = time.monotonic()
-    async with TTSStream(url, format="pcm_s16le", sample_rate=rate) as s:
+    async with TTSStream(url, format="pcm_s16le", sample_rate=rate, reference=reference) as s:
         await s.send_text(text)
         await s.stop()
         n = 0
@@ -156,13 +174,15 @@ def main() -> int:
 
         async def run() -> None:
             log(f"warm-up: {args.warmup} rounds")
+            refs = {name: (reference_wav() if name == "reference" else None) for name in args.prompts}
             for i in range(args.warmup):
-                await one_stream(url, PROMPTS[args.prompts[i % len(args.prompts)]], args.rate)
+                name = args.prompts[i % len(args.prompts)]
+                await one_stream(url, PROMPTS[name], args.rate, reference=refs[name])
             single = {}
             for name in args.prompts:
                 text = PROMPTS[name]
                 log(f"single stream, prompt '{name}': {args.rounds} rounds")
-                rs = [await one_stream(url, text, args.rate) for _ in range(args.rounds)]
+                rs = [await one_stream(url, text, args.rate, reference=refs[name]) for _ in range(args.rounds)]
                 ttfa = [r["ttfa_ms"] for r in rs]
                 single[name] = {"ttfa_p50_ms": pct(ttfa, 50), "ttfa_p95_ms": pct(ttfa, 95),
                                 "rtf_p50": pct([r["server"]["rtf"] for r in rs], 50),

@@ -781,9 +781,10 @@ class CSMPrefillGraphs:
             raise UnsupportedError("CUDA graphs need a CUDA device")
         self.csm, self.state = csm, state
         self.batches = sorted({int(n) for n in batches if int(n) > 0})
-        self.lengths = sorted({int(n) for n in lengths if 0 < int(n) < state.max_seq_len})
-        if not self.batches or not self.lengths:
-            raise ConfigError("capture_prefill needs positive batch sizes and lengths below the cache length")
+        if not self.batches or not any(int(n) > 0 for n in lengths):
+            raise ConfigError("capture_prefill needs positive batch sizes and lengths")
+        # A prompt fills at most max_seq_len - 1 positions: longer buckets shrink to that.
+        self.lengths = sorted({min(int(n), state.max_seq_len - 1) for n in lengths if int(n) > 0})
         dev, k = csm.device, csm.num_codebooks
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[Tensor]]] = {}
