@@ -537,7 +537,7 @@ class CSM(nn.Module):
         h = self.backbone(x, pos, state.backbone_cache, slots, fresh=True)
         state.hidden[slots] = h[torch.arange(b, device=ids.device), lengths - 1]
         state.pos[slots] = lengths
-        state.frames[slots] = 0
+        state.frames.index_fill_(0, slots, 0)  # (a Python 0 assigned by index would copy from the host)
         state.pos[state.scratch:].zero_()  # a padding row in the scratch slot: keep it at 0
 
     def capture_prefill(self, state: CSMBatchState, batches: Sequence[int] = (1, 4, 16),

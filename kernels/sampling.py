@@ -200,7 +200,7 @@ def _kernels():
     return _sample_kernel, _sample_small_kernel
 
 
-_WARP_OPTIONS = (2, 4, 8)  # one warp: 128 keys a thread, minutes of ptxas
+_WARP_OPTIONS = (4, 8, 16, 32)  # fewer than 4: 64+ keys a thread (slow; one warp takes minutes of ptxas)
 _small_choice: dict[tuple, int] = {}
 _small_timings: dict[tuple, dict[int, float]] = {}
 

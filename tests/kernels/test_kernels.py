@@ -415,7 +415,7 @@ for dt in ("bf16", "fp32"):
     big, small = sampling._kernels()
     sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
     comp(big, sig, dict(N_BLOCKS=63, BLOCK_V=2048, LIBDEVICE_LOG=True), 8)
-    for warps in (2, 8):
+    for warps in (4, 32):
         comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True), warps)
 print("compiled")
 """
