@@ -116,13 +116,16 @@ class TTSJob(Job):
             self.pending_chars = total
 
     # ---- called from lanes (worker threads) ----
-    def next_segment_locked(self) -> str | None:
-        """Pop the next segment; the caller holds ``self.lock`` and marks the work in flight."""
-        if not self.segments:
-            return None
-        seg = self.segments.popleft()
-        self.pending_chars -= len(seg)
-        return seg
+    def take_segment(self) -> str | None:
+        """Pop the next segment and count it in ``engine_state.inflight`` in one locked step, so the
+        stream never looks idle between the two; the lane lowers ``inflight`` when its work is visible."""
+        with self.lock:
+            if not self.segments:
+                return None
+            seg = self.segments.popleft()
+            self.pending_chars -= len(seg)
+            self.engine_state.inflight += 1
+            return seg
 
     def has_text(self) -> bool:
         return bool(self.segments)

@@ -107,11 +107,9 @@ class CSMFrameLane(Lane):
             if st.generating:
                 stepping.append(job)
                 continue
-            with job.lock:
-                seg = job.next_segment_locked()
-                if seg is None:
-                    continue
-                st.inflight += 1
+            seg = job.take_segment()
+            if seg is None:
+                continue
             try:
                 prompt = self._prompt(job, st, seg)
             except RealtimeError as exc:  # this stream's input: fail it alone, not its batch mates

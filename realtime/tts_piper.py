@@ -75,11 +75,9 @@ class PiperGenerateLane(Lane):
         for job in jobs:
             t0 = time.perf_counter()
             st: PiperState = job.engine_state
-            with job.lock:
-                seg = job.next_segment_locked()
-                if seg is None:
-                    continue
-                st.inflight += 1
+            seg = job.take_segment()
+            if seg is None:
+                continue
             try:
                 utts = self.b.synthesize_latents(seg, job.params, st.generator)
             finally:
