@@ -695,6 +695,23 @@ def _check_rows(state: CSMBatchState, slots: Tensor | Sequence[int]) -> None:
         state.lengths[s] += 1
 
 
+@torch.no_grad()
+def _capture(run, pool, warmups: int):  # noqa: ANN001
+    """CUDA graph of ``run()`` in ``pool`` -> (graph, run's static output). The warm-up runs (on a side
+    stream, as capture requires) compile kernels and allocate workspaces outside the graph; the
+    callers' static inputs point every row at the state's scratch slot, so they touch no session."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 class CSMStepGraphs:
     """``CSM.step`` replayed from CUDA graphs, one per padded batch size.
 
@@ -722,16 +739,7 @@ class CSMStepGraphs:
                 torch.zeros(n, dtype=torch.long, device=dev),
                 torch.zeros(n, dtype=torch.long, device=dev),
             ]
-            with torch.no_grad():
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up (allocator, kernels) in the scratch slot only
-                    for _ in range(2):
-                        csm._step_rows(state, *inputs)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = csm._step_rows(state, *inputs)
+            graph, out = _capture(lambda: csm._step_rows(state, *inputs), self.pool, warmups=2)
             self.graphs[n] = (graph, inputs, out)
 
     @torch.no_grad()
@@ -798,15 +806,7 @@ class CSMPrefillGraphs:
                     torch.zeros(b, t, dtype=torch.bool, device=dev),
                     torch.ones(b, dtype=torch.long, device=dev),
                 ]
-                with torch.no_grad():
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):  # warm-up in the scratch slot only
-                        csm._prefill_rows(state, *inputs)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        csm._prefill_rows(state, *inputs)
+                graph, _ = _capture(lambda: csm._prefill_rows(state, *inputs), self.pool, warmups=1)
                 self.graphs[(b, t)] = (graph, inputs)
         torch.cuda.synchronize()
 

@@ -201,6 +201,7 @@ def _kernels():
 
 
 _WARP_OPTIONS = (4, 8, 16, 32)  # fewer than 4: 64+ keys a thread (slow; one warp takes minutes of ptxas)
+_UNMEASURED_WARPS = 8  # the CPU interpreter, or a first call inside a CUDA-graph capture
 _small_choice: dict[tuple, int] = {}
 _small_timings: dict[tuple, dict[int, float]] = {}
 
@@ -217,7 +218,7 @@ def _small_warps(v: int, dtype: torch.dtype, device: torch.device) -> int:
     if key in _small_choice:
         return _small_choice[key]
     if torch.cuda.is_current_stream_capturing():
-        return 8  # cannot time now; the warm-up before a capture normally made the choice
+        return _UNMEASURED_WARPS  # cannot time now; the warm-up before a capture normally made the choice
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(1, v, device=device, generator=gen).to(dtype) * 3
     temp = torch.ones(1, device=device)
@@ -280,7 +281,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
     sd = seeds.to(dtype=torch.long).contiguous()
     st = steps.to(dtype=torch.long).contiguous()
     if v <= _SMALL_V:
-        warps = num_warps or (_small_warps(v, logits.dtype, logits.device) if logits.is_cuda else 8)
+        warps = num_warps or (_small_warps(v, logits.dtype, logits.device) if logits.is_cuda else _UNMEASURED_WARPS)
         small_kernel[(b,)](
             logits, temp, k, sd, st, out, v, logits.stride(0),
             BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=warps,
