@@ -205,15 +205,16 @@ _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 _GEMV = os.environ.get("REALTIME_GEMV", "auto").strip().lower()
 
 
-def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False) -> bool:
-    """Whether decode-time products with this weight take the Triton GEMV (see ``_GEMV``)."""
+def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partials: bool = False) -> bool:
+    """Whether decode-time products with this weight take the Triton GEMV (see ``_GEMV``);
+    ``partials``: the product feeds a residual add + RMSNorm that can sum split-K partials."""
     if not (_KERNELS and w.is_cuda) or _GEMV == "0":
         return False
     if _GEMV == "1":
         return True
     from realtime.kernels.gemv import faster_than_library
 
-    return faster_than_library(w, bias, swiglu)
+    return faster_than_library(w, bias, swiglu, partials)
 
 
 def project(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> Tensor:
@@ -223,6 +224,27 @@ def project(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> Tensor:
 
         return linear(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def project_to_norm(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> Any:
+    """``project`` for a product that only feeds the next residual add + RMSNorm: may return the
+    GEMV's split-K partial sums (``gemv.Partials``) when that was measured faster; ``_add_norm``
+    takes either."""
+    if gemv and x.shape[0] <= GEMV_MAX_M:
+        from realtime.kernels.gemv import linear_partials
+
+        return linear_partials(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def _add_norm(out: Any, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rmsnorm(out + residual), out + residual) for a sublayer output or its split-K partials."""
+    from realtime.kernels.gemv import Partials
+    from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials
+
+    if isinstance(out, Partials):
+        return add_rmsnorm_partials(out.sums, residual, weight, eps)
+    return add_rmsnorm(out, residual, weight, eps)
 
 
 def _fused_layer_loop(x: Tensor) -> bool:
@@ -262,7 +284,7 @@ class Attention(nn.Module):
         if self.cfg.attention_bias:
             self.qkv_bias = _fuse_params([p.bias for p in projs])
         self.gemv_qkv = use_gemv(self.qkv_weight, self.qkv_bias)
-        self.gemv_o = use_gemv(self.o_proj.weight, self.o_proj.bias)
+        self.gemv_o = use_gemv(self.o_proj.weight, self.o_proj.bias, partials=True)
 
     def forward(
         self,
@@ -347,10 +369,11 @@ class MLP(nn.Module):
         if self.mlp_bias:
             self.gate_up_bias = _fuse_params([p.bias for p in projs])
         self.gemv_gate_up = use_gemv(self.gate_up_weight, self.gate_up_bias, swiglu=True)
-        self.gemv_down = use_gemv(self.down_proj.weight, self.down_proj.bias)
+        self.gemv_down = use_gemv(self.down_proj.weight, self.down_proj.bias, partials=True)
 
-    def decode(self, x: Tensor) -> Tensor:
-        """x [M, dim] (fused weights) -> [M, dim]: SwiGLU in the GEMV's epilogue when chosen."""
+    def decode(self, x: Tensor) -> Any:
+        """x [M, dim] (fused weights) -> [M, dim], or the down projection's split-K partials
+        (``project_to_norm``): SwiGLU in the GEMV's epilogue when chosen."""
         if self.gemv_gate_up and x.shape[0] <= GEMV_MAX_M:
             from realtime.kernels.gemv import swiglu
 
@@ -358,7 +381,7 @@ class MLP(nn.Module):
         else:
             gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
             a = F.silu(gate) * up
-        return project(a, self.down_proj.weight, self.down_proj.bias, self.gemv_down)
+        return project_to_norm(a, self.down_proj.weight, self.down_proj.bias, self.gemv_down)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_weight is not None:
@@ -472,19 +495,20 @@ class Transformer(nn.Module):
             lambda i, layer, h: layer.self_attn(h, cos, sin, mask, i, cache, slots, pos).contiguous(),
             lambda layer, h: layer.mlp(h).contiguous())
 
-    def _fused_norm_loop(self, x: Tensor, attend: Callable[[int, "DecoderLayer", Tensor], Tensor],
-                         mlp: Callable[["DecoderLayer", Tensor], Tensor]) -> Tensor:
+    def _fused_norm_loop(self, x: Tensor, attend: Callable[[int, "DecoderLayer", Tensor], Any],
+                         mlp: Callable[["DecoderLayer", Tensor], Any]) -> Tensor:
         """x [..., dim] contiguous (at least one layer) -> the final-norm output. Each layer's input
         norm and the final norm take the residual add before them (one kernel each);
-        ``attend(i, layer, h)`` and ``mlp(layer, h)`` return the sublayers' outputs, contiguous."""
-        from realtime.kernels.rmsnorm import add_rmsnorm, rmsnorm
+        ``attend(i, layer, h)`` and ``mlp(layer, h)`` return the sublayers' outputs, contiguous, or
+        their split-K partial sums (summed by the add + norm kernel)."""
+        from realtime.kernels.rmsnorm import rmsnorm
 
         eps = self.cfg.rms_eps
         h = rmsnorm(x, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
-            h, x = add_rmsnorm(attend(i, layer, h), x, layer.post_attention_layernorm.weight, eps)
+            h, x = _add_norm(attend(i, layer, h), x, layer.post_attention_layernorm.weight, eps)
             nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else self.norm.weight
-            h, x = add_rmsnorm(mlp(layer, h), x, nxt, eps)
+            h, x = _add_norm(mlp(layer, h), x, nxt, eps)
         return h
 
     def _decode_fusable(self) -> bool:
@@ -498,7 +522,8 @@ class Transformer(nn.Module):
         """One token per row with the kernels: x [B, 1, dim], pos [B] -> [B, 1, dim] after the final norm.
 
         Per layer: q|k|v GEMV -> RoPE + K/V cache write (one kernel) -> decode attention -> o GEMV ->
-        residual add + RMSNorm -> gate|up GEMV with SwiGLU -> down GEMV -> residual add + RMSNorm.
+        residual add + RMSNorm -> gate|up GEMV with SwiGLU -> down GEMV -> residual add + RMSNorm
+        (o and down may leave split-K partial sums, which the add + norm kernel sums).
         The angles come from a position table instead of being recomputed each step.
         """
         from realtime.kernels.decode_attention import decode_attention
@@ -515,7 +540,7 @@ class Transformer(nn.Module):
             qkv = project(h, att.qkv_weight, att.qkv_bias, att.gemv_qkv)
             q = rotary_cache_write(qkv, cos, sin, pos, cache.k[i], cache.v[i], slots, cfg.n_heads, cfg.n_kv_heads)
             o = decode_attention(q, cache.k[i], cache.v[i], slots, lengths).reshape(b, cfg.n_heads * cfg.head_dim)
-            return project(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o)
+            return project_to_norm(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o)
 
         h = self._fused_norm_loop(x.reshape(b, cfg.dim).contiguous(), attend, lambda layer, h: layer.mlp.decode(h))
         return h.view(b, 1, cfg.dim)

@@ -2,6 +2,7 @@
 
     linear:  y = x @ w.T (+ bias)                      x [M, K], w [N, K] (nn.Linear layout) -> y [M, N]
     swiglu:  y = silu(x @ wg.T) * (x @ wu.T)           w = [wg | wu] stacked on N (2I rows) -> y [M, I]
+    linear_partials: the K range split S ways          -> float32 partial sums [S, M, N] (``Partials``)
 
 At batch 1 a decode step is all matrix-vector products, bound by reading the weights once. The
 CSM depth decoder's matrices are small (2-34 MB) and run ~600 times a frame, where a GEMM launch's
@@ -10,6 +11,14 @@ latency, not bandwidth, sets the time; the fused SwiGLU also drops two elementwi
 to 16 and uses tl.dot so Triton software-pipelines the K loop. Whether either beats cuBLAS for a
 shape is measured, not assumed: ``faster_than_library`` times cuBLAS and a few configurations
 inside CUDA graphs on weights read from HBM, and the engines keep the winner per shape.
+
+Split K: a tall-K, short-N product (the MLP's down projection, 8192 -> 1024) has too few output
+rows to keep the SMs busy, and cuBLAS answers with a split-K GEMM plus a second reduce kernel.
+``linear_partials`` splits K over a second grid axis and leaves the S float32 partial sums to the
+consumer: the decode loop's residual-add + RMSNorm sums them (``rmsnorm.add_rmsnorm_partials``),
+so the reduction costs no launch of its own. Only where ``faster_than_library(..., partials=True)``
+measured it faster; the sum is rounded to the activation dtype before the residual add, as the
+plain output would be.
 
 Numerics: float32 accumulation (another summation order than cuBLAS: not bit-equal, within the
 rounding of the output dtype); the bias is added in float32; for SwiGLU, gate and up are each
@@ -20,6 +29,7 @@ rounded to the output dtype, then silu is rounded, then the product, exactly as 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +37,23 @@ from torch import Tensor
 
 from ._triton import check, use_triton
 
-__all__ = ["MAX_M", "linear", "swiglu", "linear_ref", "swiglu_ref", "faster_than_library", "choices"]
+__all__ = ["MAX_M", "Partials", "linear", "swiglu", "linear_partials", "linear_ref", "swiglu_ref",
+           "faster_than_library", "choices"]
 
 MAX_M = 4  # rows handled by the GEMV; more rows go to the library GEMM (the callers check)
 _TILE = 8192  # weight elements per program per K step (16 KB of bf16 in flight)
+
+
+class Partials(NamedTuple):
+    """Split-K partial sums of ``x @ w.T``: ``sums`` [S, M, N] float32; the product is
+    ``sums.sum(0)`` rounded to ``dtype``."""
+
+    sums: Tensor
+    dtype: torch.dtype
+
+    def total(self) -> Tensor:
+        """The product itself [M, N] (the PyTorch sum; the kernels' consumers sum in order)."""
+        return self.sums.sum(0).to(self.dtype)
 
 
 def linear_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -72,15 +95,19 @@ def _kernels():
         y_ptr,  # *y [M, N] output, row stride stride_ym
         M, N, K,
         stride_xm, stride_wn, stride_ym,
+        stride_ys,  # between the split-K partial outputs (program axis 1); 0 without a split
+        K_PER,  # K columns per split (a multiple of BLOCK_K); >= K without a split
         HAS_BIAS: tl.constexpr,
         SWIGLU: tl.constexpr,  # w holds gate rows [0, N) and up rows [N, 2N)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        K_STEPS: tl.constexpr,  # cdiv(K, BLOCK_K): a constexpr trip count (the CPU interpreter needs one)
+        K_STEPS: tl.constexpr,  # cdiv(K_PER, BLOCK_K): a constexpr trip count (the CPU interpreter needs one)
     ):
         # Elementwise products accumulated across K steps, reduced once at the end.
         pid = tl.program_id(0)
+        k0 = tl.program_id(1) * K_PER
+        y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         nm = rn < N
@@ -90,7 +117,7 @@ def _kernels():
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for i in range(K_STEPS):
-            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            rk = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             km = rk < K
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
             x = x.to(tl.float32)[:, None, :]
@@ -110,6 +137,8 @@ def _kernels():
         y_ptr,  # *y [M, N] output, row stride stride_ym
         M, N, K,
         stride_xm, stride_wn, stride_ym,
+        stride_ys,  # between the split-K partial outputs (program axis 1); 0 without a split
+        K_PER,  # K columns per split (a multiple of BLOCK_K); >= K without a split
         HAS_BIAS: tl.constexpr,
         SWIGLU: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -120,6 +149,8 @@ def _kernels():
         # The rows padded to 16 and multiplied on the matrix units: the K loop is software-pipelined
         # (num_stages), which keeps several weight tiles in flight per program.
         pid = tl.program_id(0)
+        k0 = tl.program_id(1) * K_PER
+        y_ptr += tl.program_id(1).to(tl.int64) * stride_ys
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, 16)
         nm = rn < N
@@ -129,7 +160,7 @@ def _kernels():
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         acc_up = tl.zeros([16, BLOCK_N], tl.float32)
         for i in range(K_STEPS):
-            rk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            rk = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             km = rk < K
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
             w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -147,9 +178,14 @@ def _kernels():
     return _gemv_kernel, _gemv_dot_kernel
 
 
-# A launch configuration: (kind, BLOCK_N, BLOCK_K, num_warps, num_stages); kind "fma" (elementwise)
-# or "dot" (matrix units, rows padded to 16).
-Config = tuple[str, int, int, int, int]
+# A launch configuration: (kind, BLOCK_N, BLOCK_K, num_warps, num_stages[, splits]); kind "fma"
+# (elementwise) or "dot" (matrix units, rows padded to 16); splits > 1 (only for ``linear_partials``)
+# divides K among that many programs per output tile.
+Config = tuple
+
+
+def _splits(cfg: Config) -> int:
+    return cfg[5] if len(cfg) > 5 else 1
 
 
 def _default_config(n: int) -> Config:
@@ -159,21 +195,30 @@ def _default_config(n: int) -> Config:
     return ("fma", block_n, max(32, _TILE // block_n), 8, 1)
 
 
-def _candidates(n: int) -> list[Config]:
-    """What ``faster_than_library`` times for one row: the default and pipelined matrix-unit tiles."""
+def _candidates(n: int, k: int | None = None, partials: bool = False) -> list[Config]:
+    """What ``faster_than_library`` times for one row: the default and pipelined matrix-unit tiles;
+    with ``partials``, also split-K tiles where a split still gets a few K steps (K >= 1024 a split)."""
     fma = _default_config(n)
-    return [fma, ("fma", max(4, fma[1] // 2), fma[2], 4, 1),
-            ("dot", 16, 128, 4, 4), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 4), ("dot", 64, 64, 4, 4)]
+    out: list[Config] = [fma, ("fma", max(4, fma[1] // 2), fma[2], 4, 1),
+                         ("dot", 16, 128, 4, 4), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 4), ("dot", 64, 64, 4, 4)]
+    if partials and k is not None:
+        for splits in (2, 4, 8):
+            if k // splits >= 1024:
+                out += [("dot", 16, 128, 4, 4, splits), ("dot", 32, 128, 4, 4, splits), ("fma", 8, 1024, 4, 1, splits)]
+    return out
 
 
 _best: dict[tuple, Config] = {}  # per weight key: the fastest configuration measured
 
 
-def _key(w: Tensor, bias: Tensor | None, swiglu: bool) -> tuple:
-    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device)
+def _key(w: Tensor, bias: Tensor | None, swiglu: bool, partials: bool = False) -> tuple:
+    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device, partials)
 
 
-def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool, cfg: Config | None = None) -> Tensor:
+def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool, cfg: Config | None = None,
+            partials: bool = False) -> Tensor:
+    """The product [M, n_out] in x's dtype, or with a split configuration the float32 partial sums
+    [S, M, n_out] (``partials`` must then be True: only a consumer that sums them may get them)."""
     check(x.dim() == 2 and w.dim() == 2, f"x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
     m, k = x.shape
     check(1 <= m <= MAX_M, f"the GEMV takes 1..{MAX_M} rows, got {m}")
@@ -183,22 +228,34 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     if bias is not None:
         check(bias.shape == (w.shape[0],) and bias.is_contiguous(), f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
     fma_kernel, dot_kernel = _kernels()
-    y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
     if cfg is None:
-        cfg = _best.get(_key(w, bias, swiglu)) or _default_config(n_out)
-    kind, bn, bk, warps, stages = cfg
-    args = (x, w, bias if bias is not None else w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(0))
-    grid = (triton.cdiv(n_out, bn),)
+        cfg = _best.get(_key(w, bias, swiglu, partials)) or _default_config(n_out)
+    kind, bn, bk, warps, stages = cfg[:5]
+    splits = _splits(cfg)
+    if splits > 1:
+        check(partials and bias is None and not swiglu, "a split-K configuration gives partial sums: linear_partials only")
+    if kind == "fma":
+        bm = triton.next_power_of_2(m)
+        bk = max(32, bk // bm)  # the same registers for more rows
+    k_per = triton.cdiv(triton.cdiv(k, splits), bk) * bk  # whole K steps per split
+    splits = triton.cdiv(k, k_per)
+    if splits > 1:
+        y = torch.empty((splits, m, n_out), device=x.device, dtype=torch.float32)
+        stride_ys = y.stride(0)
+    else:
+        y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
+        stride_ys = 0
+    args = (x, w, bias if bias is not None else w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(-2),
+            stride_ys, k_per)
+    grid = (triton.cdiv(n_out, bn), splits)
     if kind == "dot":
         # The CPU interpreter multiplies bf16 dot operands as raw bits: it dots in float32.
         f32 = x.dtype == torch.float32 or not x.is_cuda
         dot_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk,
-                         K_STEPS=triton.cdiv(k, bk), DOT_F32=f32, num_warps=warps, num_stages=stages)
+                         K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps, num_stages=stages)
     else:
-        bm = triton.next_power_of_2(m)
-        bk = max(32, bk // bm)  # the same registers for more rows
         fma_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         K_STEPS=triton.cdiv(k, bk), num_warps=warps, num_stages=stages)
+                         K_STEPS=k_per // bk, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -210,6 +267,16 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | No
     if not use_triton("gemv", x, w):
         return linear_ref(x, w, bias)
     return _launch(x, w, bias, w.shape[0], False, config)
+
+
+def linear_partials(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None) -> Tensor | Partials:
+    """``linear`` for a consumer that can sum split-K partials (``rmsnorm.add_rmsnorm_partials``):
+    a ``Partials`` when the configuration (forced, or measured by ``faster_than_library(w, bias,
+    partials=True)``) splits K, else the plain product [M, N]."""
+    if not use_triton("gemv", x, w):
+        return linear_ref(x, w, bias)
+    y = _launch(x, w, bias, w.shape[0], False, config, partials=True)
+    return Partials(y, x.dtype) if y.dim() == 3 else y
 
 
 def swiglu(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None) -> Tensor:
@@ -248,8 +315,11 @@ def _graph_time(fns: list, rounds: int = 5) -> float:
 _L2_FLUSH_BYTES = 192 << 20  # > 3x the H100/H200 L2: the timed weights come from HBM, as in a decode step
 
 
-def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = False) -> bool:
+def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partials: bool = False) -> bool:
     """Whether the GEMV (optionally with SwiGLU) beats the library path for one row on this weight.
+
+    ``partials``: the caller takes ``linear_partials`` (its consumer sums split-K partials), so
+    split-K configurations are timed too; the choice is kept apart from the plain one.
 
     Times cuBLAS (+ silu * mul) and each candidate configuration once per (shape, dtype, bias,
     swiglu, device) inside CUDA graphs, cycling over enough copies of the weight that it is read
@@ -259,7 +329,7 @@ def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = Fa
     if not w.is_cuda or not use_triton("gemv", w):
         return False
     _kernels()
-    key = _key(w, bias, swiglu)
+    key = _key(w, bias, swiglu, partials and bias is None and not swiglu)
     if key not in _choice:
         copies = max(2, min(64, -(-_L2_FLUSH_BYTES // (w.numel() * w.element_size()))))
         ws = [w] + [w.clone() for _ in range(copies - 1)]
@@ -268,9 +338,9 @@ def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = Fa
         ref = swiglu_ref if swiglu else linear_ref
         lib = _graph_time([lambda wi=wi: ref(x, wi, bias) for wi in ws])
         best, best_t = None, lib
-        for cfg in _candidates(n_out):
+        for cfg in _candidates(n_out, w.shape[1], key[-1]):
             try:
-                t = _graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg) for wi in ws])
+                t = _graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg, key[-1]) for wi in ws])
             except Exception:  # a configuration that does not compile or launch here is skipped
                 continue
             if t < best_t:
@@ -289,5 +359,5 @@ _timings: dict[tuple, dict] = {}  # what the choice measured (benchmarks print i
 
 def choices() -> list[dict]:
     """The measured choices so far: shape, swiglu, library and best GEMV time (µs), configuration."""
-    return [{"shape": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "bias": k[2], "swiglu": k[3], **v,
-             "gemv": _choice[k]} for k, v in _timings.items()]
+    return [{"shape": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "bias": k[2], "swiglu": k[3],
+             "partials": k[5], **v, "gemv": _choice[k]} for k, v in _timings.items()]

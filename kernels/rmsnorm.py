@@ -5,6 +5,10 @@
 Statistics in float32; the normalised row is rounded to x's dtype before the weight multiply, as
 HF does, so bf16 results match the PyTorch module to the last bit up to rsqrt/summation order.
 Output dtype = promote(x.dtype, weight.dtype) (= x.dtype in the usual same-dtype case).
+
+``add_rmsnorm_partials`` takes the sublayer output as split-K float32 partial sums [S, R, D] (see
+``gemv.linear_partials``): it sums them in order, rounds the sum to the residual's dtype (what the
+plain GEMV would have stored), then adds and normalises as ``add_rmsnorm`` does.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import Tensor
 
 from ._triton import check, use_triton
 
-__all__ = ["rmsnorm", "add_rmsnorm", "rmsnorm_ref", "add_rmsnorm_ref"]
+__all__ = ["rmsnorm", "add_rmsnorm", "add_rmsnorm_partials", "rmsnorm_ref", "add_rmsnorm_ref", "add_rmsnorm_partials_ref"]
 
 _MAX_D = 32768  # one row lives in one block's registers
 
@@ -32,6 +36,11 @@ def add_rmsnorm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> 
     """PyTorch reference: (rmsnorm(x + residual), x + residual); the sum is rounded to x.dtype."""
     s = x + residual
     return rmsnorm_ref(s, weight, eps), s
+
+
+def add_rmsnorm_partials_ref(parts: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """PyTorch reference: ``add_rmsnorm`` of (the partials' sum rounded to residual's dtype, residual)."""
+    return add_rmsnorm_ref(parts.sum(0).to(residual.dtype), residual, weight, eps)
 
 
 @functools.cache
@@ -50,16 +59,23 @@ def _kernels():
         D,
         stride_x,
         stride_r,
+        stride_p,  # between the partial sums of x (N_PARTS > 0)
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        N_PARTS: tl.constexpr = 0,  # > 0: x is that many float32 partial sums, summed in order here
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+        if N_PARTS > 0:
+            for i in tl.static_range(1, N_PARTS):
+                x += tl.load(x_ptr + i * stride_p + row * stride_x + cols, mask=m, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0)
+            if N_PARTS > 0:
+                x = x.to(r.dtype)  # the product as the plain GEMV stores it
             # Round the sum to the activation dtype like `x + residual` in PyTorch, then normalise that.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(s_ptr + row * D + cols, x, mask=m)
@@ -74,7 +90,14 @@ def _kernels():
     return _rmsnorm_kernel
 
 
-def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
+def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+            parts: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    if parts is not None:  # x stands for parts.sum(0) rounded to the residual's dtype
+        assert residual is not None
+        check(parts.dim() >= 2 and parts.dtype == torch.float32 and parts.is_contiguous(),
+              f"partials must be contiguous float32 [S, ..., D], got {parts.dtype} {tuple(parts.shape)}")
+        check(tuple(parts.shape[1:]) == tuple(residual.shape), f"partials {tuple(parts.shape)} must be [S, *{tuple(residual.shape)}]")
+        x = residual  # shapes, dtype and the output allocations follow the residual
     d = x.shape[-1]
     check(x.dim() >= 1 and x.is_floating_point(), f"x must be a float tensor [..., D], got {x.dtype} {tuple(x.shape)}")
     check(weight.shape == (d,), f"weight must be [D={d}], got {tuple(weight.shape)}")
@@ -97,9 +120,12 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
     # Roughly 8 elements per thread; more warps only for long rows.
     warps = max(1, min(16, block // 256))
     r2 = residual.view(-1, d) if residual is not None else x2
+    src = parts.view(parts.shape[0], -1, d) if parts is not None else x2
     kernel[(rows,)](
-        x2, r2, weight, y, s if s is not None else y, d, x2.stride(0), r2.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=warps,
+        src, r2, weight, y, s if s is not None else y, d, src.stride(-2), r2.stride(0),
+        src.stride(0) if parts is not None else 0, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, N_PARTS=parts.shape[0] if parts is not None else 0,
+        num_warps=warps,
     )
     return y, s
 
@@ -116,5 +142,15 @@ def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tupl
     if not use_triton("add_rmsnorm", x, residual, weight):
         return add_rmsnorm_ref(x, residual, weight, eps)
     y, s = _launch(x, residual, weight, eps)
+    assert s is not None
+    return y, s
+
+
+def add_rmsnorm_partials(parts: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``add_rmsnorm(parts.sum(0).to(residual.dtype), residual, ...)`` in one kernel: parts [S, ..., D]
+    float32 split-K partial sums (``gemv.linear_partials``), residual [..., D] -> (y, new residual)."""
+    if not use_triton("add_rmsnorm", parts, residual, weight):
+        return add_rmsnorm_partials_ref(parts, residual, weight, eps)
+    y, s = _launch(residual, residual, weight, eps, parts)
     assert s is not None
     return y, s

@@ -13,7 +13,8 @@ argmax over the kept tokens. Rows with top-k off or greedy rows skip the select.
 
 Small vocabularies (V <= 8192: CSM's 2051 audio codes) take a second kernel that holds the whole
 row in registers and finds the same k-th largest key by bisection over its 32 bits (32 counting
-reductions, no histograms and no re-reads of the row); it returns the same tokens. Its warps per
+reductions, no histograms and no re-reads of the row; 16 for bf16/fp16 logits, whose own bits
+order them as their scaled float32 values); it returns the same tokens. Its warps per
 row are measured once per vocabulary size on the GPU (``_small_warps``).
 """
 
@@ -167,15 +168,24 @@ def _kernels():
         stride_l,
         BLOCK_V: tl.constexpr,  # >= V: the whole row in one block
         LIBDEVICE_LOG: tl.constexpr,
+        KEY_BITS: tl.constexpr = 32,  # 16 for bf16/fp16 logits: rank by their own bits
     ):
         row = tl.program_id(0).to(tl.int64)
         temp, greedy, k, topk_on, key = _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V)
 
         idx = tl.arange(0, BLOCK_V)
         valid = idx < V
-        x = tl.math.div_rn(tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0).to(tl.float32), temp)
-        bits = x.to(tl.uint32, bitcast=True)
-        okey = bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+        raw = tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0)
+        x = tl.math.div_rn(raw.to(tl.float32), temp)
+        if KEY_BITS == 16:
+            # 16-bit logits: dividing by a positive temperature keeps their order and distinctness
+            # (the float32 quotient of two 8- or 11-bit mantissas cannot round together short of
+            # overflow or underflow), so their own bits rank them: half the counting steps.
+            bits = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+            okey = bits ^ tl.where((bits >> 15) != 0, 0xFFFF, 0x8000).to(tl.uint32)
+        else:
+            bits = x.to(tl.uint32, bitcast=True)
+            okey = bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
 
         # The k-th largest key = the largest t with #(okey >= t) >= k: set its bits from the top,
         # one counting reduction a bit. (Two bits a step with three int64-packed counts measured
@@ -184,8 +194,8 @@ def _kernels():
         k_rem = k.to(tl.int32)
         if topk_on:
             one = tl.full([], 1, tl.uint32)
-            for bit in tl.static_range(32):
-                cand = thr | (one << (31 - bit))
+            for bit in tl.static_range(KEY_BITS):
+                cand = thr | (one << (KEY_BITS - 1 - bit))
                 cnt = tl.sum((valid & (okey >= cand)).to(tl.int32), 0)
                 thr = tl.where(cnt >= k_rem, cand, thr)
             k_rem = k_rem - tl.sum((valid & (okey > thr)).to(tl.int32), 0)
@@ -285,6 +295,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
         small_kernel[(b,)](
             logits, temp, k, sd, st, out, v, logits.stride(0),
             BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=warps,
+            KEY_BITS=16 if logits.element_size() == 2 else 32,
         )
         return out
     kernel[(b,)](

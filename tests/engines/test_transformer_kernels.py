@@ -75,4 +75,16 @@ def test_kernel_layer_loops_equal_plain_path_on_the_interpreter(monkeypatch) -> 
         assert model._decode_fusable()
         monkeypatch.setattr(tr, "_fused_layer_loop", lambda x: True)
         fast = _run(model, x, True)
+        # o and down as split-K partials, summed by the residual add + RMSNorm kernel
+        from realtime.kernels import gemv
+
+        for layer in model.layers:
+            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                monkeypatch.setitem(gemv._best, gemv._key(w, None, False, True), ("fma", 8, 64, 4, 1, 2))
+        calls = []
+        monkeypatch.setattr(tr, "_add_norm", lambda out, *a, f=tr._add_norm: calls.append(type(out)) or f(out, *a))
+        split = _run(model, x, True)
     torch.testing.assert_close(fast, ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(split, ref, rtol=2e-5, atol=2e-5)
+    # the prefill's sublayers give tensors; each of the 5 decode steps' 2 x 2 give partials
+    assert calls.count(gemv.Partials) == 5 * 2 * CFG.n_layers and calls.count(torch.Tensor) == 2 * CFG.n_layers

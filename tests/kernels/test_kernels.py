@@ -31,7 +31,7 @@ from realtime.kernels import _triton  # noqa: E402
 from realtime.kernels import gemv  # noqa: E402
 from realtime.kernels import sampling as fused_sampling  # noqa: E402
 from realtime.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
-from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
+from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
 from realtime.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cache_write, rotary_cache_write_ref  # noqa: E402
 from realtime.kernels.sampling import sample, sample_ref  # noqa: E402
 
@@ -202,6 +202,36 @@ def test_gemv_linear_and_swiglu(cpu_kernels, case, dtype):
     _close(gemv.linear(xs, w[:n]), gemv.linear_ref(xs.double(), w[:n].double()), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, k, n, cfg", [(1, 1030, 40, ("fma", 8, 256, 4, 1, 4)), (3, 2048, 24, ("dot", 16, 64, 4, 2, 8)),
+                                          (2, 512, 130, ("fma", 4, 64, 4, 1, 2)), (1, 300, 16, ("dot", 16, 64, 4, 2, 1))])
+def test_gemv_partials_summed_by_add_rmsnorm(cpu_kernels, m, k, n, cfg, dtype):
+    """Split-K partial sums (K not a multiple of the split, the last split part-masked) sum to the
+    product, and the residual add + RMSNorm that takes them equals add_rmsnorm of the plain product."""
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    res = torch.randn(m, n, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    out = gemv.linear_partials(x, w, None, cfg)
+    if cfg[-1] == 1 and len(cfg) == 6:
+        assert isinstance(out, torch.Tensor) and out.dtype == dtype  # one split: the plain product
+        _close(out, gemv.linear_ref(x.double(), w.double()), dtype)
+        return
+    # as many splits as whole K steps allow (1030 columns in 256-steps: 3 of the 4 asked)
+    assert isinstance(out, gemv.Partials) and out.sums.shape[0] > 1 and out.sums.shape[1:] == (m, n)
+    assert out.sums.dtype == torch.float32
+    _close(out.total(), gemv.linear_ref(x.double(), w.double()), dtype)
+    y, s = add_rmsnorm_partials(out.sums, res, nw, 1e-5)
+    y_ref, s_ref = add_rmsnorm(out.total(), res, nw, 1e-5)
+    _close(s, s_ref, dtype)
+    _close(y, y_ref, dtype)
+    with pytest.raises(ValueError, match="partial"):
+        gemv.linear(x, w, None, cfg)  # a consumer that cannot sum partials never gets them
+    with pytest.raises(ValueError, match="partials"):
+        add_rmsnorm_partials(out.sums.to(dtype) if dtype != torch.float32 else out.sums[:, :, :-1], res, nw, 1e-5)
+
+
 def test_gemv_checks_and_choice(cpu_kernels):
     x, w = torch.randn(5, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match="rows"):
@@ -336,6 +366,30 @@ def test_sample_bf16_logits(cpu_kernels):
     assert torch.equal(sample(logits, temp, top_k, seeds, steps), engine_sample(logits, temp, top_k, torch.ones(8), seeds, steps))
 
 
+def _distinct_16bit_rows(b, v, dtype, device="cpu"):
+    """Rows of distinct finite bf16/fp16 values in random order (no ties anywhere, so top-k is
+    well defined for every k): bit patterns around +-1.0, read as the 16-bit float type."""
+    g = torch.Generator().manual_seed(v)
+    one = 0x3F80 if dtype == torch.bfloat16 else 0x3C00
+    pats = torch.cat([torch.arange(one - v // 2, one + v - v // 2)])
+    rows = []
+    for _ in range(b):
+        p = pats[torch.randperm(v, generator=g)]
+        neg = torch.rand(v, generator=g) < 0.5  # the sign bit: negatives rank by flipped bits
+        rows.append(torch.where(neg, p | 0x8000, p))
+    return torch.stack(rows).to(torch.int16).view(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sample_16bit_logits_with_top_k(cpu_kernels, dtype):
+    """The small-vocabulary kernel ranks 16-bit logits by their own bits (16 counting steps): the
+    same tokens as the engine's sort over the float32 scaled values, top-k on, greedy and flat rows."""
+    logits, temp, top_k, seeds, steps = _sampling_rows(24, 1500)
+    logits = _distinct_16bit_rows(24, 1500, dtype)
+    got = sample(logits, temp, top_k, seeds, steps)
+    assert torch.equal(got, engine_sample(logits, temp, top_k, torch.ones(24), seeds, steps))
+
+
 # ---------------------------------------------------------------------------------------- launcher contract
 
 
@@ -389,7 +443,9 @@ def comp(fn, sig, consts, warps):
 
 for dt in ("bf16", "fp32"):
     comp(rmsnorm._kernels(), dict(x_ptr=f"*{dt}", r_ptr=f"*{dt}", w_ptr=f"*{dt}", y_ptr=f"*{dt}", s_ptr=f"*{dt}",
-         eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK_D=2048), 8)
+         eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK_D=2048, N_PARTS=0), 8)
+    comp(rmsnorm._kernels(), dict(x_ptr="*fp32", r_ptr=f"*{dt}", w_ptr=f"*{dt}", y_ptr=f"*{dt}", s_ptr=f"*{dt}",
+         eps="fp32"), dict(HAS_RESIDUAL=True, BLOCK_D=1024, N_PARTS=4), 4)
     rot, rot_cache = rotary._kernels()
     comp(rot, {p: f"*{dt}" for p in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr")},
          dict(HALF=32, BLOCK_HALF=32, BLOCK_H=32), 4)
@@ -400,6 +456,8 @@ for dt in ("bf16", "fp32"):
         sig = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr=f"*{dt}")
         comp(fma, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, K_STEPS=4), 8)
         comp(dot, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_N=32, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
+    comp(dot, dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr="*fp32"),
+         dict(HAS_BIAS=False, SWIGLU=False, BLOCK_N=16, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
     split, merge = decode_attention._kernels()
     comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
          acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
@@ -416,7 +474,7 @@ for dt in ("bf16", "fp32"):
     sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
     comp(big, sig, dict(N_BLOCKS=63, BLOCK_V=2048, LIBDEVICE_LOG=True), 8)
     for warps in (4, 32):
-        comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True), warps)
+        comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True, KEY_BITS=16 if dt == "bf16" else 32), warps)
 print("compiled")
 """
 
@@ -549,6 +607,18 @@ def test_gpu_gemv(dtype):
             got = gemv.swiglu(x, w, b, cfg)
             assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
         gemv.faster_than_library(w, b, swiglu=True)
+    for n, k in ((1024, 8192), (2048, 8192), (2048, 2048)):  # split-K for the products feeding add + norm
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        want = gemv.linear_ref(x.double(), w.double())
+        for cfg in gemv._candidates(n, k, partials=True):
+            out = gemv.linear_partials(x, w, None, cfg)
+            got = out.total() if isinstance(out, gemv.Partials) else out
+            assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
+        gemv.faster_than_library(w, partials=True)
+        eager, replay = _graph(lambda: gemv.linear_partials(x, w))
+        eager, replay = [e.sums if isinstance(e, gemv.Partials) else e for e in (eager, replay)]
+        assert torch.equal(eager, replay)
     print("\n" + "\n".join(str(c) for c in gemv.choices()))
 
 
@@ -559,6 +629,10 @@ def test_gpu_sample_equals_engine(v):
     got = sample(logits, temp, top_k, seeds, steps)
     want = engine_sample(logits, temp, top_k, torch.ones(24, device="cuda"), seeds, steps)
     assert torch.equal(got, want), (got, want)
+    if v <= fused_sampling._SMALL_V:  # bf16 logits: the 16-bit keys
+        bf = _distinct_16bit_rows(24, v, torch.bfloat16, "cuda")
+        assert torch.equal(sample(bf, temp, top_k, seeds, steps),
+                           engine_sample(bf, temp, top_k, torch.ones(24, device="cuda"), seeds, steps))
     flat = sample(torch.zeros_like(logits), torch.ones_like(temp), torch.zeros_like(top_k), seeds, steps)
     assert torch.equal(flat, uniform_noise(seeds, steps, v).argmax(-1))
     eager, replay = _graph(lambda: sample(logits, temp, top_k, seeds, steps))
