@@ -231,6 +231,17 @@ def _bench_variant(args, res: dict, b, csm, tag: str, graphs: bool, text: str) -
             print(table, flush=True)
         ts = cuda_time(frames, 5)
         fps = 16 / statistics.median(ts)
+        if bsz == 1:  # what a first frame waits for: step called on an idle GPU -> codes on the host
+            lat = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                b.frame_step(slots, temp, tk, sd)
+                lat.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            res[f"ours_{tag}_b1_codes_latency_ms"] = statistics.median(lat) * 1000
+            log(f"ours {tag} batch 1: codes on the host {statistics.median(lat) * 1000:.2f} ms after the call "
+                f"(a frame every {1000 / fps:.2f} ms)")
         res[f"ours_{tag}_b{bsz}_frames_per_s_per_stream"] = fps
         res[f"ours_{tag}_b{bsz}_aggregate_frames_per_s"] = fps * bsz
         log(f"ours {tag} batch {bsz}: {fps:.1f} frames/s per stream, {fps * bsz:.0f} aggregate")

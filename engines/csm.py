@@ -576,6 +576,14 @@ class CSM(nn.Module):
     def _step_rows(self, state: CSMBatchState, slots: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor) -> Tensor:
         """The device part of ``step`` (all inputs already on the device): no host syncs, no
         data-dependent Python control flow, so it can be captured in a CUDA graph."""
+        codes = self._codes_rows(state, slots, temperature, top_k, seeds)
+        self._feed_rows(state, slots, codes)
+        return codes
+
+    def _codes_rows(self, state: CSMBatchState, slots: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor) -> Tensor:
+        """The first part of a step: the frame's K codes [B, K] from each slot's stored hidden state
+        (codebook 0 from the backbone head, 1..K-1 from the depth decoder). Changes no slot state
+        but the depth cache, so the frame can leave before ``_feed_rows`` runs."""
         k, dev = self.num_codebooks, self.device
         b = slots.shape[0]
         top_p = torch.ones(b, device=dev)
@@ -598,9 +606,11 @@ class CSM(nn.Module):
             if cb < k - 1:
                 x = self._depth_input(c, cb)[:, None]
                 pos = positions[:, cb + 1:cb + 2]
-        codes = torch.stack(out, dim=1)  # [B, K]
+        return torch.stack(out, dim=1)  # [B, K]
 
-        # Feed the frame back: the backbone's next hidden state predicts the next frame.
+    def _feed_rows(self, state: CSMBatchState, slots: Tensor, codes: Tensor) -> None:
+        """The second part of a step: feed the frame back through one backbone step; its hidden
+        state predicts the next frame. Then the slots' positions and frame counters advance."""
         p = state.pos[slots]
         h = self.backbone(self.embed_frames(codes)[:, None], p[:, None], state.backbone_cache, slots)
         state.hidden[slots] = h[:, 0]
@@ -610,7 +620,6 @@ class CSM(nn.Module):
         # walks off the cache however many steps it takes part in.
         state.pos[state.scratch :].zero_()
         state.frames[state.scratch :].zero_()
-        return codes
 
     def fuse_projections(self) -> None:
         """The CUDA fast path's weight layout, after loading: q|k|v and gate|up fused in both stacks
@@ -713,12 +722,15 @@ def _capture(run, pool, warmups: int):  # noqa: ANN001
 
 
 class CSMStepGraphs:
-    """``CSM.step`` replayed from CUDA graphs, one per padded batch size.
+    """``CSM.step`` replayed from CUDA graphs, two per padded batch size: the frame's codes, then
+    the backbone step that feeds the frame back.
 
     Eager decoding launches thousands of small kernels per frame (K-1 depth passes, 2K samplers), so it
     is bound by launch overhead; a graph replays them at once. Call it like ``step``: slots [B] (CPU,
     distinct), temperature [B], top_k [B], seeds [B] -> codes [B, K]. B is padded to the smallest
     captured size >= B with rows in the state's scratch slot; B above the largest size runs eagerly.
+    With ``to_host`` the codes come back on the host as soon as the first graph has made them,
+    while the feed-back step still runs: the frame can be decoded to audio one backbone step sooner.
     The graphs hold the state's tensors: use them with that state only.
     """
 
@@ -731,7 +743,7 @@ class CSMStepGraphs:
             raise ConfigError("capture_step needs at least one positive batch size")
         dev = csm.device
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
         for n in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool memory
             inputs = [
                 torch.full((n,), state.scratch, dtype=torch.long, device=dev),
@@ -739,25 +751,39 @@ class CSMStepGraphs:
                 torch.zeros(n, dtype=torch.long, device=dev),
                 torch.zeros(n, dtype=torch.long, device=dev),
             ]
-            graph, out = _capture(lambda: csm._step_rows(state, *inputs), self.pool, warmups=2)
-            self.graphs[n] = (graph, inputs, out)
+            codes_graph, out = _capture(lambda: csm._codes_rows(state, *inputs), self.pool, warmups=2)
+            feed_graph, _ = _capture(lambda: csm._feed_rows(state, inputs[0], out), self.pool, warmups=2)
+            self.graphs[n] = (codes_graph, feed_graph, inputs, out)
+        self._host = torch.empty((self.sizes[-1], csm.num_codebooks), dtype=torch.long, pin_memory=True)
+        self._ready = torch.cuda.Event()
 
     @torch.no_grad()
-    def __call__(self, slots: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor) -> Tensor:
+    def __call__(self, slots: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor,
+                 to_host: bool = False) -> Tensor:
         slots = torch.as_tensor(slots, dtype=torch.long).cpu()
         b = slots.shape[0]
         n = next((m for m in self.sizes if m >= b), None)
         if n is None:
-            return self.csm.step(self.state, slots, temperature, top_k, seeds)
+            codes = self.csm.step(self.state, slots, temperature, top_k, seeds)
+            return codes.cpu() if to_host else codes
         _check_rows(self.state, slots)
-        graph, (g_slots, g_temp, g_topk, g_seeds), out = self.graphs[n]
+        codes_graph, feed_graph, (g_slots, g_temp, g_topk, g_seeds), out = self.graphs[n]
         pad = n - b
         g_slots.copy_(torch.cat([slots, torch.full((pad,), self.state.scratch, dtype=torch.long)]), non_blocking=True)
         g_temp.copy_(torch.cat([torch.as_tensor(temperature, dtype=torch.float32).cpu(), torch.zeros(pad)]), non_blocking=True)
         g_topk.copy_(torch.cat([torch.as_tensor(top_k, dtype=torch.long).cpu(), torch.zeros(pad, dtype=torch.long)]), non_blocking=True)
         g_seeds.copy_(torch.cat([torch.as_tensor(seeds, dtype=torch.long).cpu(), torch.zeros(pad, dtype=torch.long)]), non_blocking=True)
-        graph.replay()
-        return out[:b].clone()
+        codes_graph.replay()
+        if to_host:
+            host = self._host[:b]
+            host.copy_(out[:b], non_blocking=True)
+            self._ready.record()
+            feed_graph.replay()
+            self._ready.synchronize()  # the codes only: the feed-back step keeps running
+            return host.clone()
+        codes = out[:b].clone()
+        feed_graph.replay()
+        return codes
 
 
 def _pad_prompts(prompts: Sequence[CSMPrompt], t: int, b: int, k: int) -> tuple[Tensor, Tensor, Tensor]:

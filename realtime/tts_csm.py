@@ -318,10 +318,12 @@ class CSMBackend(TTSBackend):
 
     def frame_step(self, slots: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor,
                    seeds: torch.Tensor) -> torch.Tensor:
-        """One CSM frame for host tensors of B slots → host codes [B, K]."""
+        """One CSM frame for host tensors of B slots → host codes [B, K]. Graphed, the codes come
+        back while the backbone step that feeds the frame back is still running (the codec's stream
+        can start on them at once)."""
         if self.step_graphs is None:
             return self.csm.step(self.state, slots, temp, top_k, seeds).cpu()
-        return self.step_graphs(slots, temp, top_k, seeds).cpu()
+        return self.step_graphs(slots, temp, top_k, seeds, to_host=True)
 
     def prefill(self, slots: list[int], prompts: list["CSMPrompt"]) -> None:
         """Prompts into their slots in one batched pass (a CUDA graph when a bucket holds them)."""
