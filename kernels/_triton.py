@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-__all__ = ["triton_available", "interpret_mode", "use_triton", "check"]
+__all__ = ["triton_available", "interpret_mode", "use_triton", "check", "pdl", "pdl_jit"]
 
 _warned: set[str] = set()
 
@@ -62,3 +62,42 @@ def check(cond: bool, msg: str) -> None:
     """Launcher argument check: raise ValueError (kernel arguments are caller bugs, not user input)."""
     if not cond:
         raise ValueError(msg)
+
+
+# Programmatic dependent launch (Hopper+): a kernel launched with it may start while the kernel
+# before it in the stream is still finishing; it waits (griddepcontrol.wait) before touching
+# anything. Every kernel of this package launched with it calls ``pdl_enter`` first, which waits for
+# the previous grid to complete and flush, then lets the next kernel launch. Because each kernel
+# waits for its predecessor before it ends, completion stays transitive along the stream.
+_PDL = os.environ.get("REALTIME_PDL", "1").strip() != "0"
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device launch with programmatic dependent launch: CUDA sm90+, not
+    the interpreter, and REALTIME_PDL is not 0. Pass it as both the kernel's PDL constexpr and the
+    ``launch_pdl`` launch option."""
+    if not (_PDL and t.is_cuda) or interpret_mode():
+        return False
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.cache
+def pdl_jit():
+    """The ``pdl_enter(PDL)`` jit helper each kernel calls first (built on first use)."""
+    global tl, gdc_wait, gdc_launch_dependents  # the jit'd helper resolves these through module globals
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()  # the previous kernel in the stream has completed and its writes are visible
+            gdc_launch_dependents()  # the next one may be scheduled now
+
+    return pdl_enter

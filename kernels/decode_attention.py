@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import check, use_triton
+from ._triton import check, pdl, pdl_jit, use_triton
 
 __all__ = ["decode_attention", "decode_attention_ref"]
 
@@ -42,9 +42,10 @@ def decode_attention_ref(
 
 @functools.cache
 def _kernels():
-    global triton, tl  # the jit'd functions resolve `tl` through module globals
+    global triton, tl, _pdl_enter  # the jit'd functions resolve `tl` through module globals
     import triton
     import triton.language as tl
+    _pdl_enter = pdl_jit()
 
     @triton.jit
     def _decode_split_kernel(
@@ -71,7 +72,9 @@ def _kernels():
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         DIRECT: tl.constexpr,  # one split: normalise and write out[B, H, D] (acc_ptr) here, no merge
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
@@ -134,7 +137,9 @@ def _kernels():
         NUM_SPLITS: tl.constexpr,
         BLOCK_SPLITS: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         bh = tl.program_id(0).to(tl.int64)
         sp = tl.arange(0, BLOCK_SPLITS)
         d = tl.arange(0, BLOCK_D)
@@ -218,10 +223,12 @@ def decode_attention(
         H=h, G=g, D=d, CHUNK=chunk, NUM_SPLITS=ns,
         BLOCK_G=max(16, triton.next_power_of_2(g)),  # tl.dot needs M >= 16
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N, DOT_DTYPE=dot_dtype, PRECISION=precision, DIRECT=direct, num_warps=4,
+        PDL=pdl(q), launch_pdl=pdl(q),
     )
     if direct:
         return out
     merge_kernel[(b * h,)](
         acc, ml, out, D=d, NUM_SPLITS=ns, BLOCK_SPLITS=triton.next_power_of_2(ns), BLOCK_D=block_d, num_warps=4,
+        PDL=pdl(q), launch_pdl=pdl(q),
     )
     return out

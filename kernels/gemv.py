@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import check, use_triton
+from ._triton import check, pdl, pdl_jit, use_triton
 
 __all__ = ["MAX_M", "Partials", "linear", "swiglu", "linear_partials", "linear_ref", "swiglu_ref",
            "faster_than_library", "choices"]
@@ -69,9 +69,10 @@ def swiglu_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 @functools.cache
 def _kernels():
-    global triton, tl, _epilogue  # the jit'd functions resolve these through module globals
+    global triton, tl, _epilogue, _pdl_enter  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
+    _pdl_enter = pdl_jit()
 
     @triton.jit
     def _epilogue(y, u, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
@@ -103,7 +104,9 @@ def _kernels():
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         K_STEPS: tl.constexpr,  # cdiv(K_PER, BLOCK_K): a constexpr trip count (the CPU interpreter needs one)
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         # Elementwise products accumulated across K steps, reduced once at the end.
         pid = tl.program_id(0)
         k0 = tl.program_id(1) * K_PER
@@ -145,7 +148,9 @@ def _kernels():
         BLOCK_K: tl.constexpr,
         K_STEPS: tl.constexpr,
         DOT_F32: tl.constexpr,  # dot in float32 (float32 weights, or the CPU interpreter)
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         # The rows padded to 16 and multiplied on the matrix units: the K loop is software-pipelined
         # (num_stages), which keeps several weight tiles in flight per program.
         pid = tl.program_id(0)
@@ -248,14 +253,17 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     args = (x, w, bias if bias is not None else w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(-2),
             stride_ys, k_per)
     grid = (triton.cdiv(n_out, bn), splits)
+    p = pdl(x)
     if kind == "dot":
         # The CPU interpreter multiplies bf16 dot operands as raw bits: it dots in float32.
         f32 = x.dtype == torch.float32 or not x.is_cuda
         dot_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk,
-                         K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps, num_stages=stages)
+                         K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps, num_stages=stages,
+                         PDL=p, launch_pdl=p)
     else:
         fma_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         K_STEPS=k_per // bk, num_warps=warps, num_stages=stages)
+                         K_STEPS=k_per // bk, num_warps=warps, num_stages=stages,
+                         PDL=p, launch_pdl=p)
     return y
 
 

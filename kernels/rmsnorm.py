@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import check, use_triton
+from ._triton import check, pdl, pdl_jit, use_triton
 
 __all__ = ["rmsnorm", "add_rmsnorm", "add_rmsnorm_partials", "rmsnorm_ref", "add_rmsnorm_ref", "add_rmsnorm_partials_ref"]
 
@@ -45,9 +45,10 @@ def add_rmsnorm_partials_ref(parts: Tensor, residual: Tensor, weight: Tensor, ep
 
 @functools.cache
 def _kernels():
-    global triton, tl  # the jit'd functions resolve `tl` through module globals
+    global triton, tl, _pdl_enter  # the jit'd functions resolve `tl` through module globals
     import triton
     import triton.language as tl
+    _pdl_enter = pdl_jit()
 
     @triton.jit
     def _rmsnorm_kernel(
@@ -64,7 +65,9 @@ def _kernels():
         HAS_RESIDUAL: tl.constexpr,
         BLOCK_D: tl.constexpr,
         N_PARTS: tl.constexpr = 0,  # > 0: x is that many float32 partial sums, summed in order here
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
@@ -125,7 +128,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         src, r2, weight, y, s if s is not None else y, d, src.stride(-2), r2.stride(0),
         src.stride(0) if parts is not None else 0, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK_D=block, N_PARTS=parts.shape[0] if parts is not None else 0,
-        num_warps=warps,
+        num_warps=warps, PDL=pdl(x), launch_pdl=pdl(x),
     )
     return y, s
 

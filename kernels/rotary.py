@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import check, use_triton
+from ._triton import check, pdl, pdl_jit, use_triton
 
 __all__ = ["apply_rotary", "apply_rotary_ref", "rotary_cache_write", "rotary_cache_write_ref"]
 
@@ -38,9 +38,10 @@ def apply_rotary_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
 @functools.cache
 def _kernels():
     # The jit'd functions resolve `tl` and their helper through module globals.
-    global triton, tl, _rotate_heads
+    global triton, tl, _rotate_heads, _pdl_enter
     import triton
     import triton.language as tl
+    _pdl_enter = pdl_jit()
 
     @triton.jit
     def _rotate_heads(
@@ -84,7 +85,9 @@ def _kernels():
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         # Program (b*T + t, head block): head blocks [0, cdiv(H)) rotate q, the rest rotate k.
         bt = tl.program_id(0)
         hb = tl.program_id(1)
@@ -121,7 +124,9 @@ def _kernels():
         H, HKV,
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         # Program (b, head): heads [0, H) rotate q into q'; heads [H, H + HKV) rotate k and write
         # it, and copy v, into the cache at (slot, head, pos).
         b = tl.program_id(0).to(tl.int64)
@@ -214,6 +219,7 @@ def rotary_cache_write(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         n_heads, n_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1,
+        PDL=pdl(qkv), launch_pdl=pdl(qkv),
     )
     return qo
 
@@ -253,6 +259,6 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1),
-        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4,
+        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4, PDL=pdl(q), launch_pdl=pdl(q),
     )
     return qo, ko

@@ -25,7 +25,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import check, use_triton
+from ._triton import check, pdl, pdl_jit, use_triton
 
 __all__ = ["sample", "sample_ref", "choices"]
 
@@ -44,9 +44,10 @@ def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor
 @functools.cache
 def _kernels():
     # The jit'd functions resolve `tl`, `libdevice` and the helper through module globals.
-    global triton, tl, libdevice, _hash32, _row_setup, _gumbel
+    global triton, tl, libdevice, _hash32, _row_setup, _gumbel, _pdl_enter
     import triton
     import triton.language as tl
+    _pdl_enter = pdl_jit()
     from triton.language.extra import libdevice
 
     @triton.jit
@@ -100,7 +101,9 @@ def _kernels():
         N_BLOCKS: tl.constexpr,
         BLOCK_V: tl.constexpr,
         LIBDEVICE_LOG: tl.constexpr,
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_l
         temp, greedy, k, topk_on, key = _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V)
@@ -169,7 +172,9 @@ def _kernels():
         BLOCK_V: tl.constexpr,  # >= V: the whole row in one block
         LIBDEVICE_LOG: tl.constexpr,
         KEY_BITS: tl.constexpr = 32,  # 16 for bf16/fp16 logits: rank by their own bits
+        PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
+        _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         temp, greedy, k, topk_on, key = _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V)
 
@@ -295,11 +300,12 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
         small_kernel[(b,)](
             logits, temp, k, sd, st, out, v, logits.stride(0),
             BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=warps,
-            KEY_BITS=16 if logits.element_size() == 2 else 32,
+            KEY_BITS=16 if logits.element_size() == 2 else 32, PDL=pdl(logits), launch_pdl=pdl(logits),
         )
         return out
     kernel[(b,)](
         logits, temp, k, sd, st, out, v, logits.stride(0),
         N_BLOCKS=triton.cdiv(v, _BLOCK_V), BLOCK_V=_BLOCK_V, LIBDEVICE_LOG=logits.is_cuda, num_warps=8,
+        PDL=pdl(logits), launch_pdl=pdl(logits),
     )
     return out

@@ -436,10 +436,11 @@ from triton.backends.compiler import GPUTarget
 from realtime.kernels import decode_attention, gemv, rmsnorm, rotary, sampling
 
 def comp(fn, sig, consts, warps):
+    consts = {"PDL": True, **consts}  # with the griddepcontrol wait/launch the GPU path uses on sm90
     full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
     src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert k.asm["cubin"]
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
+    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"], fn.fn.__name__
 
 for dt in ("bf16", "fp32"):
     comp(rmsnorm._kernels(), dict(x_ptr=f"*{dt}", r_ptr=f"*{dt}", w_ptr=f"*{dt}", y_ptr=f"*{dt}", s_ptr=f"*{dt}",
