@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from realtime.engines.transformer import fuse_params, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["Mimi", "MimiConfig", "MimiStreamingDecoder", "MimiStreamingEncoder"]
@@ -396,6 +397,10 @@ class LayerScale(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * x
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + scale * x in one kernel."""
+        return torch.addcmul(residual, self.scale, x)
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -412,13 +417,34 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c, kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, c, bias=cfg.attention_bias)
         self.scale = 1.0 / math.sqrt(d)
+        # Non-persistent (None until ``fuse``): absent from state dicts, moved by .to().
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        """One [q|k|v] weight (one GEMM instead of three); the projections' parameters become views
+        into it. Call after loading and placing the weights."""
+        if self.qkv_weight is None:
+            projs = (self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_weight = fuse_params([p.weight for p in projs])
+            if self.q_proj.bias is not None:
+                self.qkv_bias = fuse_params([p.bias for p in projs])
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, C], cos/sin [B or 1, T, D] -> q [B, H, T, D], k, v [B, Hkv, T, D] (RoPE applied)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+                [self.h * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.h, self.d).transpose(1, 2)
+        k = k.view(b, t, self.kv, self.d).transpose(1, 2)
+        v = v.view(b, t, self.kv, self.d).transpose(1, 2)
+        if use_kernels() and x.is_cuda:  # one Triton kernel for both rotations (~10 elementwise kernels)
+            from realtime.kernels.rotary import apply_rotary
+
+            return (*apply_rotary(q, k, cos.expand(b, t, self.d), sin.expand(b, t, self.d)), v)
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -449,7 +475,7 @@ class TransformerLayer(nn.Module):
 
     def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
         h = self.mlp.fc2(self.act(self.mlp.fc1(self.post_attention_layernorm(x))))
-        return x + self.mlp_layer_scale(h)
+        return self.mlp_layer_scale.add_to(x, h)
 
 
 @dataclass
@@ -499,7 +525,7 @@ class Transformer(nn.Module):
         mask = ((diff >= 0) & (diff < self.window))[None, None]
         for layer in self.layers:
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-            x = x + layer.self_attn_layer_scale(layer.self_attn.attend(q, k, v, mask))
+            x = layer.self_attn_layer_scale.add_to(x, layer.self_attn.attend(q, k, v, mask))
             x = layer.mlp_block(x)
         return x
 
@@ -531,7 +557,7 @@ class Transformer(nn.Module):
             a = layer.self_attn.attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
             kc.scatter_(2, idx, k[:, :, n - keep:])
             vc.scatter_(2, idx, v[:, :, n - keep:])
-            x = x + layer.self_attn_layer_scale(a)
+            x = layer.self_attn_layer_scale.add_to(x, a)
             x = layer.mlp_block(x)
         st.kv_pos.scatter_(1, qpos[:, n - keep:] % cw, qpos[:, n - keep:])
         st.pos.add_(n)
@@ -571,9 +597,13 @@ class RVQ(nn.Module):
 
     def decode(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """codes [B, k, T] -> [B, C, T]."""
-        q = 0
-        for i in range(codes.shape[1]):
-            q = q + F.embedding(codes[:, i], self.codebooks[i].float())  # [B, T, dim], fp32 sum
+        # One gather from the k codebooks laid end to end, then the fp32 sum over k (not k
+        # lookups and adds: ~2k kernels a step).
+        k = codes.shape[1]
+        cb = self.codebooks[:k].float()  # [k, card, dim]
+        card = cb.shape[1]
+        idx = codes + (torch.arange(k, device=codes.device) * card)[None, :, None]
+        q = F.embedding(idx, cb.reshape(k * card, -1)).sum(dim=1)  # [B, T, dim]
         q = q.transpose(1, 2).to(dtype)
         return q if self.output_proj is None else self.output_proj(q)
 
@@ -676,6 +706,8 @@ class Mimi(nn.Module):
             rvq.codebooks = rvq.codebooks.float()
         for tr in (model.encoder_transformer, model.decoder_transformer):
             tr.inv_freq = tr.inv_freq.float()
+            for layer in tr.layers:
+                layer.self_attn.fuse()
         model.eval().requires_grad_(False)
         return model
 

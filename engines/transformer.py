@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 from realtime.kernels.gemv import MAX_M as GEMV_MAX_M  # plain constant: importing it needs no Triton
 
-__all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm"]
+__all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm", "fuse_params"]
 
 
 @dataclass(frozen=True)
@@ -280,9 +280,9 @@ class Attention(nn.Module):
         if self.qkv_weight is not None:
             return
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _fuse_params([p.weight for p in projs])
+        self.qkv_weight = fuse_params([p.weight for p in projs])
         if self.cfg.attention_bias:
-            self.qkv_bias = _fuse_params([p.bias for p in projs])
+            self.qkv_bias = fuse_params([p.bias for p in projs])
         self.gemv_qkv = use_gemv(self.qkv_weight, self.qkv_bias)
         self.gemv_o = use_gemv(self.o_proj.weight, self.o_proj.bias, partials=True)
 
@@ -365,9 +365,9 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None:
             return
         projs = (self.gate_proj, self.up_proj)
-        self.gate_up_weight = _fuse_params([p.weight for p in projs])
+        self.gate_up_weight = fuse_params([p.weight for p in projs])
         if self.mlp_bias:
-            self.gate_up_bias = _fuse_params([p.bias for p in projs])
+            self.gate_up_bias = fuse_params([p.bias for p in projs])
         self.gemv_gate_up = use_gemv(self.gate_up_weight, self.gate_up_bias, swiglu=True)
         self.gemv_down = use_gemv(self.down_proj.weight, self.down_proj.bias, partials=True)
 
@@ -390,7 +390,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _fuse_params(params: list[nn.Parameter]) -> Tensor:
+def fuse_params(params: list[nn.Parameter]) -> Tensor:
     """Concatenate parameters along dim 0 into one tensor and re-point each parameter at its slice,
     so the fused tensor costs no extra memory and later in-place loads (``copy_``) reach both."""
     with torch.no_grad():
