@@ -69,7 +69,7 @@ def swiglu_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 @functools.cache
 def _kernels():
-    global triton, tl, _epilogue, _pdl_enter  # the jit'd functions resolve these through module globals
+    global triton, tl, _epilogue, _w_tiles, _fma_step, _dot_step, _pdl_enter  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
     _pdl_enter = pdl_jit()
@@ -89,6 +89,36 @@ def _kernels():
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(out_t), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
+    def _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU: tl.constexpr):
+        # One K step's weight tile (and the up tile for SwiGLU; else the same tile, unused).
+        w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        wu = w
+        if SWIGLU:
+            wu = tl.load(up_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        return w, wu
+
+    @triton.jit
+    def _fma_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU: tl.constexpr):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        x = x.to(tl.float32)[:, None, :]
+        acc += x * w.to(tl.float32)[None, :, :]
+        if SWIGLU:
+            acc_up += x * wu.to(tl.float32)[None, :, :]
+        return acc, acc_up
+
+    @triton.jit
+    def _dot_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee" if DOT_F32 else "tf32")
+        if SWIGLU:
+            acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee" if DOT_F32 else "tf32")
+        return acc, acc_up
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr,  # *x [M, K], row stride stride_xm, unit column stride
         w_ptr,  # *w [N or 2N, K], row stride stride_wn, unit column stride
@@ -106,7 +136,6 @@ def _kernels():
         K_STEPS: tl.constexpr,  # cdiv(K_PER, BLOCK_K): a constexpr trip count (the CPU interpreter needs one)
         PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
-        _pdl_enter(PDL)
         # Elementwise products accumulated across K steps, reduced once at the end.
         pid = tl.program_id(0)
         k0 = tl.program_id(1) * K_PER
@@ -117,18 +146,20 @@ def _kernels():
         mm = rm < M
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         up_rows = w_rows + N.to(tl.int64) * stride_wn
+        # The first step's weights do not depend on the kernel before: they are requested before
+        # waiting for it (with PDL, while it finishes).
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
+        _pdl_enter(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        for i in range(K_STEPS):
+        acc, acc_up = _fma_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU)
+        for i in range(1, K_STEPS):
             rk = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             km = rk < K
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            x = x.to(tl.float32)[:, None, :]
-            w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += x * w.to(tl.float32)[None, :, :]
-            if SWIGLU:
-                wu = tl.load(up_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                acc_up += x * wu.to(tl.float32)[None, :, :]
+            w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
+            acc, acc_up = _fma_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU)
         _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym,
                   HAS_BIAS, SWIGLU)
 
@@ -150,7 +181,6 @@ def _kernels():
         DOT_F32: tl.constexpr,  # dot in float32 (float32 weights, or the CPU interpreter)
         PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
-        _pdl_enter(PDL)
         # The rows padded to 16 and multiplied on the matrix units: the K loop is software-pipelined
         # (num_stages), which keeps several weight tiles in flight per program.
         pid = tl.program_id(0)
@@ -162,22 +192,19 @@ def _kernels():
         mm = rm < M
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
         up_rows = w_rows + N.to(tl.int64) * stride_wn
+        # The first step's weights are requested before waiting for the kernel before (see above).
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
+        _pdl_enter(PDL)
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-        for i in range(K_STEPS):
+        acc, acc_up = _dot_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, DOT_F32)
+        for i in range(1, K_STEPS):
             rk = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             km = rk < K
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            if DOT_F32:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee" if DOT_F32 else "tf32")
-            if SWIGLU:
-                wu = tl.load(up_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                if DOT_F32:
-                    wu = wu.to(tl.float32)
-                acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee" if DOT_F32 else "tf32")
+            w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
+            acc, acc_up = _dot_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, DOT_F32)
         _epilogue(acc, acc_up, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS, SWIGLU)
 
     return _gemv_kernel, _gemv_dot_kernel
