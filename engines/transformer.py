@@ -203,9 +203,6 @@ _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 # The decode GEMV (kernels/gemv.py) per projection: "auto" times it against cuBLAS once per shape
 # at fuse time and keeps the faster; "1" always (M <= GEMV_MAX_M rows), "0" never.
 _GEMV = os.environ.get("REALTIME_GEMV", "auto").strip().lower()
-# One-token decode: the o GEMV adds the residual and the gate|up GEMV applies the post-attention
-# RMSNorm itself (see Transformer._decode); REALTIME_FOLD_NORM=0 keeps the separate norm kernel.
-_FOLD_NORM = os.environ.get("REALTIME_FOLD_NORM", "1") != "0"
 
 
 def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partials: bool = False) -> bool:
@@ -526,42 +523,26 @@ class Transformer(nn.Module):
 
         Per layer: q|k|v GEMV -> RoPE + K/V cache write (one kernel) -> decode attention -> o GEMV ->
         residual add + RMSNorm -> gate|up GEMV with SwiGLU -> down GEMV -> residual add + RMSNorm
-        (o and down may leave split-K partial sums, which the add + norm kernel sums). Where o and
-        gate|up both take the GEMV (``_FOLD_NORM``), the o GEMV adds the residual in its epilogue and
-        the gate|up GEMV applies the post-attention RMSNorm itself: one kernel fewer a layer.
+        (o and down may leave split-K partial sums, which the add + norm kernel sums).
         The angles come from a position table instead of being recomputed each step.
         """
         from realtime.kernels.decode_attention import decode_attention
-        from realtime.kernels.rmsnorm import rmsnorm
         from realtime.kernels.rotary import rotary_cache_write
 
         cfg = self.cfg
         b = x.shape[0]
-        eps = cfg.rms_eps
         cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
         pos = pos.contiguous()  # once here, not in every layer's kernel call
         lengths = pos + 1  # keys 0..pos are valid for this query
-        x = x.reshape(b, cfg.dim).contiguous()
-        h = rmsnorm(x, self.layers[0].input_layernorm.weight, eps)
-        fold = _FOLD_NORM and b <= GEMV_MAX_M
-        for i, layer in enumerate(self.layers):
-            att, mlp = layer.self_attn, layer.mlp
+
+        def attend(i: int, layer: DecoderLayer, h: Tensor) -> Tensor:
+            att = layer.self_attn
             qkv = project(h, att.qkv_weight, att.qkv_bias, att.gemv_qkv)
             q = rotary_cache_write(qkv, cos, sin, pos, cache.k[i], cache.v[i], slots, cfg.n_heads, cfg.n_kv_heads)
             o = decode_attention(q, cache.k[i], cache.v[i], slots, lengths).reshape(b, cfg.n_heads * cfg.head_dim)
-            if fold and att.gemv_o and mlp.gemv_gate_up:
-                from realtime.kernels.gemv import linear, swiglu
+            return project_to_norm(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o)
 
-                x = linear(o, att.o_proj.weight, att.o_proj.bias, residual=x)
-                a = swiglu(x, mlp.gate_up_weight, mlp.gate_up_bias, norm_weight=layer.post_attention_layernorm.weight,
-                           eps=eps)
-                out = project_to_norm(a, mlp.down_proj.weight, mlp.down_proj.bias, mlp.gemv_down)
-            else:
-                h, x = _add_norm(project_to_norm(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o), x,
-                                 layer.post_attention_layernorm.weight, eps)
-                out = mlp.decode(h)
-            nxt = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else self.norm.weight
-            h, x = _add_norm(out, x, nxt, eps)
+        h = self._fused_norm_loop(x.reshape(b, cfg.dim).contiguous(), attend, lambda layer, h: layer.mlp.decode(h))
         return h.view(b, 1, cfg.dim)
 
     def fuse_projections(self) -> None:

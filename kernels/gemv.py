@@ -75,15 +75,9 @@ def _kernels():
     _pdl_enter = pdl_jit()
 
     @triton.jit
-    def _epilogue(y, u, b_ptr, y_ptr, r_ptr, rm, rn, mm, nm, N, stride_ym, stride_rm, ss, K, eps,
-                  HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
-        # y, u [BLOCK_M, BLOCK_N] float32 sums of the gate (or only) and up products; ss [BLOCK_M] the
-        # rows' sums of squares (NORM: the products were of x * g, the RMSNorm scale comes here).
+    def _epilogue(y, u, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+        # y, u [BLOCK_M, BLOCK_N] float32 sums of the gate (or only) and up products.
         out_t = y_ptr.dtype.element_ty
-        if NORM:
-            scale = tl.math.rsqrt(ss / K + eps)[:, None]
-            y = y * scale
-            u = u * scale
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
         if SWIGLU:
@@ -92,9 +86,6 @@ def _kernels():
             g = y.to(out_t).to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(out_t).to(tl.float32)
             y = s * u.to(out_t).to(tl.float32)
-        if RESIDUAL:  # the product rounded as stored, then the residual added (x + residual in PyTorch)
-            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mm[:, None] & nm[None, :], other=0.0)
-            y = y.to(out_t).to(tl.float32) + r.to(tl.float32)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(out_t), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
@@ -107,27 +98,17 @@ def _kernels():
         return w, wu
 
     @triton.jit
-    def _fma_step(acc, acc_up, ss, x_ptr, g_ptr, rm, mm, stride_xm, rk, km, w, wu,
-                  SWIGLU: tl.constexpr, NORM: tl.constexpr):
+    def _fma_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU: tl.constexpr):
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        x = x.to(tl.float32)
-        if NORM:
-            ss += tl.sum(x * x, axis=1)
-            x = x * tl.load(g_ptr + rk, mask=km, other=0.0).to(tl.float32)[None, :]
-        x = x[:, None, :]
+        x = x.to(tl.float32)[:, None, :]
         acc += x * w.to(tl.float32)[None, :, :]
         if SWIGLU:
             acc_up += x * wu.to(tl.float32)[None, :, :]
-        return acc, acc_up, ss
+        return acc, acc_up
 
     @triton.jit
-    def _dot_step(acc, acc_up, ss, x_ptr, g_ptr, rm, mm, stride_xm, rk, km, w, wu,
-                  SWIGLU: tl.constexpr, DOT_F32: tl.constexpr, NORM: tl.constexpr):
+    def _dot_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr):
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        if NORM:  # x * g as the dot's operand (rounded to the weights' dtype, as the normed row is)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-            x = (xf * tl.load(g_ptr + rk, mask=km, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
         if DOT_F32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -135,7 +116,7 @@ def _kernels():
         acc += tl.dot(x, tl.trans(w), input_precision="ieee" if DOT_F32 else "tf32")
         if SWIGLU:
             acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee" if DOT_F32 else "tf32")
-        return acc, acc_up, ss
+        return acc, acc_up
 
     @triton.jit
     def _gemv_kernel(
@@ -143,21 +124,16 @@ def _kernels():
         w_ptr,  # *w [N or 2N, K], row stride stride_wn, unit column stride
         b_ptr,  # *bias [N or 2N] (read only when HAS_BIAS)
         y_ptr,  # *y [M, N] output, row stride stride_ym
-        r_ptr,  # *residual [M, N], row stride stride_rm (read only when RESIDUAL)
-        g_ptr,  # *RMSNorm weight [K] (read only when NORM)
         M, N, K,
-        stride_xm, stride_wn, stride_ym, stride_rm,
+        stride_xm, stride_wn, stride_ym,
         stride_ys,  # between the split-K partial outputs (program axis 1); 0 without a split
         K_PER,  # K columns per split (a multiple of BLOCK_K); >= K without a split
-        eps,  # RMSNorm epsilon (NORM)
         HAS_BIAS: tl.constexpr,
         SWIGLU: tl.constexpr,  # w holds gate rows [0, N) and up rows [N, 2N)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         K_STEPS: tl.constexpr,  # cdiv(K_PER, BLOCK_K): a constexpr trip count (the CPU interpreter needs one)
-        NORM: tl.constexpr = False,  # y = W . rmsnorm(x) (no split): x * g in the loop, 1/rms in the epilogue
-        RESIDUAL: tl.constexpr = False,  # y = round(W . x) + residual (no split)
         PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
         # Elementwise products accumulated across K steps, reduced once at the end.
@@ -178,15 +154,14 @@ def _kernels():
         _pdl_enter(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        acc, acc_up, ss = _fma_step(acc, acc_up, ss, x_ptr, g_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, NORM)
+        acc, acc_up = _fma_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU)
         for i in range(1, K_STEPS):
             rk = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             km = rk < K
             w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
-            acc, acc_up, ss = _fma_step(acc, acc_up, ss, x_ptr, g_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, NORM)
-        _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), b_ptr, y_ptr, r_ptr, rm, rn, mm, nm, N, stride_ym,
-                  stride_rm, ss, K, eps, HAS_BIAS, SWIGLU, NORM, RESIDUAL)
+            acc, acc_up = _fma_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU)
+        _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym,
+                  HAS_BIAS, SWIGLU)
 
     @triton.jit
     def _gemv_dot_kernel(
@@ -194,21 +169,16 @@ def _kernels():
         w_ptr,  # *w [N or 2N, K], row stride stride_wn, unit column stride
         b_ptr,  # *bias [N or 2N] (read only when HAS_BIAS)
         y_ptr,  # *y [M, N] output, row stride stride_ym
-        r_ptr,  # *residual [M, N], row stride stride_rm (read only when RESIDUAL)
-        g_ptr,  # *RMSNorm weight [K] (read only when NORM)
         M, N, K,
-        stride_xm, stride_wn, stride_ym, stride_rm,
+        stride_xm, stride_wn, stride_ym,
         stride_ys,  # between the split-K partial outputs (program axis 1); 0 without a split
         K_PER,  # K columns per split (a multiple of BLOCK_K); >= K without a split
-        eps,  # RMSNorm epsilon (NORM)
         HAS_BIAS: tl.constexpr,
         SWIGLU: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         K_STEPS: tl.constexpr,
         DOT_F32: tl.constexpr,  # dot in float32 (float32 weights, or the CPU interpreter)
-        NORM: tl.constexpr = False,  # see _gemv_kernel
-        RESIDUAL: tl.constexpr = False,  # see _gemv_kernel
         PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
         # The rows padded to 16 and multiplied on the matrix units: the K loop is software-pipelined
@@ -229,15 +199,13 @@ def _kernels():
         _pdl_enter(PDL)
         acc = tl.zeros([16, BLOCK_N], tl.float32)
         acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-        ss = tl.zeros([16], tl.float32)
-        acc, acc_up, ss = _dot_step(acc, acc_up, ss, x_ptr, g_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, DOT_F32, NORM)
+        acc, acc_up = _dot_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, DOT_F32)
         for i in range(1, K_STEPS):
             rk = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
             km = rk < K
             w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
-            acc, acc_up, ss = _dot_step(acc, acc_up, ss, x_ptr, g_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, DOT_F32, NORM)
-        _epilogue(acc, acc_up, b_ptr, y_ptr, r_ptr, rm, rn, mm, nm, N, stride_ym, stride_rm, ss, K, eps,
-                  HAS_BIAS, SWIGLU, NORM, RESIDUAL)
+            acc, acc_up = _dot_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, DOT_F32)
+        _epilogue(acc, acc_up, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS, SWIGLU)
 
     return _gemv_kernel, _gemv_dot_kernel
 
@@ -273,7 +241,6 @@ def _candidates(n: int, k: int | None = None, partials: bool = False) -> list[Co
 
 
 _best: dict[tuple, Config] = {}  # per weight key: the fastest configuration measured
-_best_whole: dict[tuple, Config] = {}  # per weight: the fastest configuration without a split
 
 
 def _key(w: Tensor, bias: Tensor | None, swiglu: bool, partials: bool = False) -> tuple:
@@ -281,12 +248,9 @@ def _key(w: Tensor, bias: Tensor | None, swiglu: bool, partials: bool = False) -
 
 
 def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool, cfg: Config | None = None,
-            partials: bool = False, residual: Tensor | None = None, norm: Tensor | None = None,
-            eps: float = 0.0) -> Tensor:
+            partials: bool = False) -> Tensor:
     """The product [M, n_out] in x's dtype, or with a split configuration the float32 partial sums
-    [S, M, n_out] (``partials`` must then be True: only a consumer that sums them may get them).
-    ``residual`` [M, n_out]: return product + residual; ``norm`` [K]: multiply by rmsnorm(x) with
-    that weight instead of x (both need a configuration without a split)."""
+    [S, M, n_out] (``partials`` must then be True: only a consumer that sums them may get them)."""
     check(x.dim() == 2 and w.dim() == 2, f"x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
     m, k = x.shape
     check(1 <= m <= MAX_M, f"the GEMV takes 1..{MAX_M} rows, got {m}")
@@ -295,23 +259,13 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     check(x.stride(-1) == 1 and w.stride(-1) == 1, "x and w need a unit stride over K")
     if bias is not None:
         check(bias.shape == (w.shape[0],) and bias.is_contiguous(), f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
-    if residual is not None:
-        check(residual.shape == (m, n_out) and residual.dtype == x.dtype and residual.stride(-1) == 1,
-              f"residual must be [{m}, {n_out}] {x.dtype} with a unit column stride, got {residual.dtype} {tuple(residual.shape)}")
-    if norm is not None:
-        check(norm.shape == (k,) and norm.is_contiguous(), f"norm weight must be [{k}], got {tuple(norm.shape)}")
     fma_kernel, dot_kernel = _kernels()
-    whole = residual is not None or norm is not None  # these need every K column in one program
-    if cfg is None and whole:
-        cfg = _best_whole.get(_key(w, bias, swiglu, True)) or _best.get(_key(w, bias, swiglu, False))
-    elif cfg is None:
-        cfg = _best.get(_key(w, bias, swiglu, partials))
-    cfg = cfg or _default_config(n_out)
+    if cfg is None:
+        cfg = _best.get(_key(w, bias, swiglu, partials)) or _default_config(n_out)
     kind, bn, bk, warps, stages = cfg[:5]
     splits = _splits(cfg)
     if splits > 1:
-        check(partials and bias is None and not swiglu and not whole,
-              "a split-K configuration gives partial sums: linear_partials only")
+        check(partials and bias is None and not swiglu, "a split-K configuration gives partial sums: linear_partials only")
     if kind == "fma":
         bm = triton.next_power_of_2(m)
         bk = max(32, bk // bm)  # the same registers for more rows
@@ -323,37 +277,31 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     else:
         y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
         stride_ys = 0
-    args = (x, w, bias if bias is not None else w, y, residual if residual is not None else y,
-            norm if norm is not None else w, m, n_out, k, x.stride(0), w.stride(0), y.stride(-2),
-            residual.stride(0) if residual is not None else 0, stride_ys, k_per, float(eps))
+    args = (x, w, bias if bias is not None else w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(-2),
+            stride_ys, k_per)
     grid = (triton.cdiv(n_out, bn), splits)
     p = pdl(x)
-    flags = dict(HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm is not None, RESIDUAL=residual is not None,
-                 PDL=p, launch_pdl=p)
     if kind == "dot":
         # The CPU interpreter multiplies bf16 dot operands as raw bits: it dots in float32.
         f32 = x.dtype == torch.float32 or not x.is_cuda
-        dot_kernel[grid](*args, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps,
-                         num_stages=stages, **flags)
+        dot_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk,
+                         K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps, num_stages=stages,
+                         PDL=p, launch_pdl=p)
     else:
-        fma_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=k_per // bk, num_warps=warps,
-                         num_stages=stages, **flags)
+        fma_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                         K_STEPS=k_per // bk, num_warps=warps, num_stages=stages,
+                         PDL=p, launch_pdl=p)
     return y
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None,
-           residual: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None) -> Tensor:
     """x [M, K] (M <= MAX_M), w [N, K], bias [N] or None -> x @ w.T + bias [M, N] in x's dtype.
 
-    ``residual`` [M, N]: returns (x @ w.T + bias) + residual, the product rounded to x's dtype
-    before the add, as PyTorch's ``linear(...) + residual`` (the decode loop's attention output
-    joining the residual stream). ``config`` forces a launch configuration (tests); by default the
-    one ``faster_than_library`` measured fastest for this weight's shape, else the elementwise
-    kernel's default."""
+    ``config`` forces a launch configuration (tests); by default the one ``faster_than_library``
+    measured fastest for this weight's shape, else the elementwise kernel's default."""
     if not use_triton("gemv", x, w):
-        y = linear_ref(x, w, bias)
-        return y if residual is None else y + residual
-    return _launch(x, w, bias, w.shape[0], False, config, residual=residual)
+        return linear_ref(x, w, bias)
+    return _launch(x, w, bias, w.shape[0], False, config)
 
 
 def linear_partials(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None) -> Tensor | Partials:
@@ -366,21 +314,12 @@ def linear_partials(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Co
     return Partials(y, x.dtype) if y.dim() == 3 else y
 
 
-def swiglu(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None,
-           norm_weight: Tensor | None = None, eps: float = 1e-5) -> Tensor:
-    """x [M, K] (M <= MAX_M), w [2I, K] = [gate | up], bias [2I] or None -> silu(gate) * up [M, I].
-
-    ``norm_weight`` [K]: of rmsnorm(x) with that weight and ``eps`` instead of x, folded in: the
-    loop multiplies x by the weight and sums x**2 on the way, the epilogue applies 1/rms (no
-    normalised row is written; the products differ from the unfolded path by rounding only)."""
+def swiglu(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | None = None) -> Tensor:
+    """x [M, K] (M <= MAX_M), w [2I, K] = [gate | up], bias [2I] or None -> silu(gate) * up [M, I]."""
     if not use_triton("gemv", x, w):
-        if norm_weight is not None:
-            from .rmsnorm import rmsnorm_ref
-
-            x = rmsnorm_ref(x, norm_weight, eps)
         return swiglu_ref(x, w, bias)
     check(w.shape[0] % 2 == 0, f"w must stack gate and up rows (2I), got {w.shape[0]} rows")
-    return _launch(x, w, bias, w.shape[0] // 2, True, config, norm=norm_weight, eps=eps)
+    return _launch(x, w, bias, w.shape[0] // 2, True, config)
 
 
 def _graph_time(fns: list, rounds: int = 5) -> float:
@@ -434,7 +373,6 @@ def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = Fa
         ref = swiglu_ref if swiglu else linear_ref
         lib = _graph_time([lambda wi=wi: ref(x, wi, bias) for wi in ws])
         best, best_t = None, lib
-        whole, whole_t = None, float("inf")  # the fastest without a split (for residual / norm use)
         for cfg in _candidates(n_out, w.shape[1], key[-1]):
             try:
                 t = _graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg, key[-1]) for wi in ws])
@@ -442,14 +380,10 @@ def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = Fa
                 continue
             if t < best_t:
                 best, best_t = cfg, t
-            if _splits(cfg) == 1 and t < whole_t:
-                whole, whole_t = cfg, t
         del ws
         _choice[key] = best is not None
         if best is not None:
             _best[key] = best
-        if whole is not None:
-            _best_whole[_key(w, bias, swiglu, True)] = whole
         _timings[key] = {"library_us": lib * 1e6, "best_us": best_t * 1e6, "config": best}
     return _choice[key]
 

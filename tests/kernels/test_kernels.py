@@ -232,30 +232,6 @@ def test_gemv_partials_summed_by_add_rmsnorm(cpu_kernels, m, k, n, cfg, dtype):
         add_rmsnorm_partials(out.sums.to(dtype) if dtype != torch.float32 else out.sums[:, :, :-1], res, nw, 1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m, cfg", [(1, None), (3, ("dot", 16, 64, 4, 2)), (2, ("fma", 8, 256, 4, 1)), (4, ("fma", 4, 64, 4, 1))])
-def test_gemv_residual_epilogue_and_folded_rmsnorm(cpu_kernels, m, cfg, dtype):
-    """linear(..., residual=r) = linear + r (the product rounded first); swiglu(..., norm_weight=g)
-    = swiglu of rmsnorm(x) with the norm folded into the GEMV (x * g in the loop, 1/rms after)."""
-    k, n = 300, 40
-    g = torch.Generator().manual_seed(m)
-    x = (3 * torch.randn(m, k, generator=g)).to(dtype)
-    w = (torch.randn(2 * n, k, generator=g) / k**0.5).to(dtype)
-    bias = torch.randn(2 * n, generator=g).to(dtype)
-    res = torch.randn(m, n, generator=g).to(dtype)
-    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
-    y = gemv.linear(x, w[:n], bias[:n], cfg, residual=res)
-    assert y.shape == (m, n) and y.dtype == dtype
-    _close(y, gemv.linear_ref(x.double(), w[:n].double(), bias[:n].double()) + res.double(), dtype)
-    a = gemv.swiglu(x, w, bias, cfg, norm_weight=nw, eps=1e-5)
-    assert a.shape == (m, n) and a.dtype == dtype
-    _close(a, gemv.swiglu_ref(rmsnorm_ref(x.double(), nw.double(), 1e-5), w.double(), bias.double()), dtype)
-    with pytest.raises(ValueError, match="split"):  # every K column must reach one program
-        gemv.swiglu(x, w, None, ("fma", 8, 64, 4, 1, 2), norm_weight=nw)
-    with pytest.raises(ValueError, match="residual"):
-        gemv.linear(x, w[:n], None, cfg, residual=res[:, :-1])
-
-
 def test_gemv_checks_and_choice(cpu_kernels):
     x, w = torch.randn(5, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match="rows"):
@@ -461,9 +437,6 @@ from realtime.kernels import decode_attention, gemv, rmsnorm, rotary, sampling
 
 def comp(fn, sig, consts, warps):
     consts = {"PDL": True, **consts}  # with the griddepcontrol wait/launch the GPU path uses on sm90
-    for flag in ("NORM", "RESIDUAL"):  # the GEMV's optional constexprs default to off
-        if flag in fn.arg_names:
-            consts.setdefault(flag, False)
     full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
     src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
@@ -486,11 +459,6 @@ for dt in ("bf16", "fp32"):
         comp(dot, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_N=32, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
     comp(dot, dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr="*fp32"),
          dict(HAS_BIAS=False, SWIGLU=False, BLOCK_N=16, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
-    folded = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr=f"*{dt}", r_ptr=f"*{dt}", g_ptr=f"*{dt}", eps="fp32")
-    comp(dot, folded, dict(HAS_BIAS=False, SWIGLU=True, BLOCK_N=32, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32",
-                           NORM=True, RESIDUAL=False), 4)
-    comp(fma, folded, dict(HAS_BIAS=True, SWIGLU=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, K_STEPS=1,
-                           NORM=False, RESIDUAL=True), 4)
     split, merge = decode_attention._kernels()
     comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
          acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
