@@ -216,3 +216,16 @@ async def test_api_key(piper_backend) -> None:  # noqa: ANN001
             r = await client.get("/metrics", headers={"Authorization": "Bearer sekrit"})
             assert r.status_code == 200
             assert (await client.get("/health")).status_code == 200  # probes stay open
+
+
+async def test_startup_objects_are_frozen_out_of_the_collector(live) -> None:  # noqa: ANN001
+    """What the server loads before it accepts (models, the scheduler, the app state) sits in the
+    collector's permanent generation: a full collection no longer walks ~10^5 startup objects while
+    holding the GIL (~80 ms measured on the CPU, a stall of every stream at once)."""
+    import gc
+
+    state = live.state
+    tracked = {id(o) for o in gc.get_objects()}  # the permanent generation is not listed
+    for obj in (state, state.tts, state.scheduler):
+        assert gc.is_tracked(obj) and id(obj) not in tracked, type(obj).__name__
+    assert gc.get_freeze_count() > 0
