@@ -201,8 +201,12 @@ def main() -> int:
                 for n in args.concurrency:
                     log(f"concurrency {n}: open-loop arrivals over {args.arrival_s}s"
                         + (f", clients in {args.client_procs} processes" if pool else ""))
-                    sweep.append(await sweep_level(url, PROMPTS[args.sweep_prompt], args.rate, n, args.arrival_s,
-                                                   pool, args.client_procs))
+                    gcw = live.state.metrics.gc  # the server's GC pauses during this level (they hold the GIL)
+                    n0, gcw.max_s = sum(gcw.hist.counts), 0.0
+                    lv = await sweep_level(url, PROMPTS[args.sweep_prompt], args.rate, n, args.arrival_s,
+                                           pool, args.client_procs)
+                    lv["gc_collections"], lv["gc_max_pause_ms"] = sum(gcw.hist.counts) - n0, gcw.max_s * 1e3
+                    sweep.append(lv)
             finally:
                 if pool is not None:
                     pool.close()
@@ -221,11 +225,11 @@ def main() -> int:
         print(f"{name:<12}{r['ttfa_p50_ms']:>14.1f}{r['ttfa_p95_ms']:>14.1f}{r['rtf_p50']:>10.3f}"
               f"{r['wall_rtf_p50']:>10.3f}{r['underruns']:>11d}")
     print(f"\n{'streams':<9}{'TTFA p50':>10}{'TTFA p95':>10}{'RTF p50':>9}{'zero-gap':>10}{'gap>100ms':>11}"
-          f"{'max gap ms':>12}{'audio s/s':>11}")
+          f"{'max gap ms':>12}{'audio s/s':>11}{'GCs':>6}{'max GC ms':>11}")
     for r in results["sweep"]:
         print(f"{r['streams']:<9}{r['ttfa_p50_ms']:>10.1f}{r['ttfa_p95_ms']:>10.1f}{r['rtf_p50']:>9.3f}"
               f"{r['streams_zero_underrun']:>10d}{r['streams_gap_over_100ms']:>11d}{r['max_underrun_ms']:>12.1f}"
-              f"{r['aggregate_audio_s_per_s']:>11.2f}")
+              f"{r['aggregate_audio_s_per_s']:>11.2f}{r['gc_collections']:>6d}{r['gc_max_pause_ms']:>11.1f}")
     try:
         import matplotlib
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 
@@ -65,6 +67,33 @@ class Gauge:
         return out
 
 
+class GCPauses:
+    """This process's garbage-collection pauses (via ``gc.callbacks``) into a histogram. A collection
+    holds the GIL: every stream's thread waits for it, so a long one shows up as a gap in all of them."""
+
+    def __init__(self, hist: Histogram) -> None:
+        self.hist = hist
+        self.max_s = 0.0
+        self._t0: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt = time.perf_counter() - self._t0
+            self._t0 = None
+            self.hist.observe(dt)
+            self.max_s = max(self.max_s, dt)
+
+    def install(self) -> None:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def remove(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+
 class Metrics:
     """The service's metrics. One instance per app."""
 
@@ -81,11 +110,14 @@ class Metrics:
         self.asr_final = Histogram("realtime_asr_final_latency_seconds",
                                    "End of speech to final transcript", ms)
         self.text_ttft = Histogram("realtime_text_ttft_seconds", "Prompt to first token", ms)
+        self.gc_pause = Histogram("realtime_gc_pause_seconds", "Garbage-collection pauses of the server process",
+                                  (0.0005, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2))
+        self.gc = GCPauses(self.gc_pause)
         self.gauges: list[Gauge] = []
 
     def render(self) -> str:
         lines: list[str] = []
         for m in (self.ttfa, self.rtf, self.underruns, self.underrun_s, self.streams, self.errors,
-                  self.audio_s, self.asr_final, self.text_ttft, *self.gauges):
+                  self.audio_s, self.asr_final, self.text_ttft, self.gc_pause, *self.gauges):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"

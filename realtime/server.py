@@ -136,6 +136,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
         # measured, a stall of every stream at once. Frozen, they are out of the collector's way.
         gc.collect()
         gc.freeze()
+        metrics.gc.install()  # what collections remain are timed (realtime_gc_pause_seconds)
         scheduler.start()
         holder["state"] = state
         app.state.realtime = state
@@ -156,6 +157,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
             for task in list(state.sessions):
                 task.cancel()
             scheduler.stop()
+            metrics.gc.remove()
 
     def st(request_or_ws: Request | WebSocket) -> AppState:
         return holder["state"]

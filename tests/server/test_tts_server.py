@@ -229,3 +229,11 @@ async def test_startup_objects_are_frozen_out_of_the_collector(live) -> None:  #
     for obj in (state, state.tts, state.scheduler):
         assert gc.is_tracked(obj) and id(obj) not in tracked, type(obj).__name__
     assert gc.get_freeze_count() > 0
+    # the collections that remain are timed for /metrics
+    before = state.metrics.gc_pause.counts[:]
+    gc.collect()
+    assert sum(state.metrics.gc_pause.counts) > sum(before) and state.metrics.gc.max_s > 0
+    async with httpx.AsyncClient(base_url=live.http, timeout=30) as client:
+        text = (await client.get("/metrics")).text
+    count = [ln for ln in text.splitlines() if ln.startswith("realtime_gc_pause_seconds_count")]
+    assert count and float(count[0].split()[1]) >= 1
