@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-__all__ = ["triton_available", "interpret_mode", "use_triton", "check", "pdl", "pdl_jit"]
+__all__ = ["triton_available", "interpret_mode", "use_triton", "check", "pdl", "pdl_launch", "pdl_jit", "graph_time"]
 
 _warned: set[str] = set()
 
@@ -86,6 +86,13 @@ def pdl(t: torch.Tensor) -> bool:
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+def pdl_launch(t: torch.Tensor) -> dict:
+    """The launch keywords for kernels on ``t``'s device: the PDL constexpr and the matching
+    ``launch_pdl`` option (see ``pdl``)."""
+    on = pdl(t)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @functools.cache
 def pdl_jit():
     """The ``pdl_enter(PDL)`` jit helper each kernel calls first (built on first use)."""
@@ -101,3 +108,29 @@ def pdl_jit():
             gdc_launch_dependents()  # the next one may be scheduled now
 
     return pdl_enter
+
+
+def graph_time(fns: list, rounds: int = 5) -> float:
+    """Median seconds per call of the ``fns`` replayed in turn inside one CUDA graph (no launch gaps),
+    on the current device. The first two run eagerly first (compilation stays out of the graph)."""
+    for fn in fns[:2]:
+        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fns[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(fns))
+    return sorted(times)[len(times) // 2]

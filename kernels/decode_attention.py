@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import check, pdl, pdl_jit, use_triton
+from ._triton import check, pdl_jit, pdl_launch, use_triton
 
 __all__ = ["decode_attention", "decode_attention_ref"]
 
@@ -223,12 +223,12 @@ def decode_attention(
         H=h, G=g, D=d, CHUNK=chunk, NUM_SPLITS=ns,
         BLOCK_G=max(16, triton.next_power_of_2(g)),  # tl.dot needs M >= 16
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N, DOT_DTYPE=dot_dtype, PRECISION=precision, DIRECT=direct, num_warps=4,
-        PDL=pdl(q), launch_pdl=pdl(q),
+        **pdl_launch(q),
     )
     if direct:
         return out
     merge_kernel[(b * h,)](
         acc, ml, out, D=d, NUM_SPLITS=ns, BLOCK_SPLITS=triton.next_power_of_2(ns), BLOCK_D=block_d, num_warps=4,
-        PDL=pdl(q), launch_pdl=pdl(q),
+        **pdl_launch(q),
     )
     return out

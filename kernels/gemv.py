@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import check, pdl, pdl_jit, use_triton
+from ._triton import check, graph_time, pdl_jit, pdl_launch, use_triton
 
 __all__ = ["MAX_M", "Partials", "linear", "swiglu", "linear_partials", "linear_ref", "swiglu_ref",
            "faster_than_library", "choices"]
@@ -244,7 +244,8 @@ _best: dict[tuple, Config] = {}  # per weight key: the fastest configuration mea
 
 
 def _key(w: Tensor, bias: Tensor | None, swiglu: bool, partials: bool = False) -> tuple:
-    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device, partials)
+    # Split-K partials exist only for a plain product without bias: other products ignore the flag.
+    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device, partials and bias is None and not swiglu)
 
 
 def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool, cfg: Config | None = None,
@@ -280,17 +281,14 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     args = (x, w, bias if bias is not None else w, y, m, n_out, k, x.stride(0), w.stride(0), y.stride(-2),
             stride_ys, k_per)
     grid = (triton.cdiv(n_out, bn), splits)
-    p = pdl(x)
     if kind == "dot":
         # The CPU interpreter multiplies bf16 dot operands as raw bits: it dots in float32.
         f32 = x.dtype == torch.float32 or not x.is_cuda
         dot_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk,
-                         K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps, num_stages=stages,
-                         PDL=p, launch_pdl=p)
+                         K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps, num_stages=stages, **pdl_launch(x))
     else:
         fma_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                         K_STEPS=k_per // bk, num_warps=warps, num_stages=stages,
-                         PDL=p, launch_pdl=p)
+                         K_STEPS=k_per // bk, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 
 
@@ -322,31 +320,6 @@ def swiglu(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | No
     return _launch(x, w, bias, w.shape[0] // 2, True, config)
 
 
-def _graph_time(fns: list, rounds: int = 5) -> float:
-    """Median seconds per call of the ``fns`` replayed in turn inside one CUDA graph (no launch gaps)."""
-    for fn in fns[:2]:
-        fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fns[0]()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
-
-
 _L2_FLUSH_BYTES = 192 << 20  # > 3x the H100/H200 L2: the timed weights come from HBM, as in a decode step
 
 
@@ -364,18 +337,18 @@ def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = Fa
     if not w.is_cuda or not use_triton("gemv", w):
         return False
     _kernels()
-    key = _key(w, bias, swiglu, partials and bias is None and not swiglu)
+    key = _key(w, bias, swiglu, partials)
     if key not in _choice:
         copies = max(2, min(64, -(-_L2_FLUSH_BYTES // (w.numel() * w.element_size()))))
         ws = [w] + [w.clone() for _ in range(copies - 1)]
         x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
         n_out = w.shape[0] // 2 if swiglu else w.shape[0]
         ref = swiglu_ref if swiglu else linear_ref
-        lib = _graph_time([lambda wi=wi: ref(x, wi, bias) for wi in ws])
+        lib = graph_time([lambda wi=wi: ref(x, wi, bias) for wi in ws])
         best, best_t = None, lib
         for cfg in _candidates(n_out, w.shape[1], key[-1]):
             try:
-                t = _graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg, key[-1]) for wi in ws])
+                t = graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg, key[-1]) for wi in ws])
             except Exception:  # a configuration that does not compile or launch here is skipped
                 continue
             if t < best_t:

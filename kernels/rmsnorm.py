@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import check, pdl, pdl_jit, use_triton
+from ._triton import check, pdl_jit, pdl_launch, use_triton
 
 __all__ = ["rmsnorm", "add_rmsnorm", "add_rmsnorm_partials", "rmsnorm_ref", "add_rmsnorm_ref", "add_rmsnorm_partials_ref"]
 
@@ -72,9 +72,8 @@ def _kernels():
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
-        if N_PARTS > 0:
-            for i in tl.static_range(1, N_PARTS):
-                x += tl.load(x_ptr + i * stride_p + row * stride_x + cols, mask=m, other=0.0)
+        for i in tl.static_range(1, N_PARTS):  # the other partial sums (none without partials)
+            x += tl.load(x_ptr + i * stride_p + row * stride_x + cols, mask=m, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0)
             if N_PARTS > 0:
@@ -95,12 +94,11 @@ def _kernels():
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
             parts: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    if parts is not None:  # x stands for parts.sum(0) rounded to the residual's dtype
-        assert residual is not None
+    if parts is not None:  # x is the residual; it stands for parts.sum(0) rounded to the residual's dtype
+        assert x is residual
         check(parts.dim() >= 2 and parts.dtype == torch.float32 and parts.is_contiguous(),
               f"partials must be contiguous float32 [S, ..., D], got {parts.dtype} {tuple(parts.shape)}")
         check(tuple(parts.shape[1:]) == tuple(residual.shape), f"partials {tuple(parts.shape)} must be [S, *{tuple(residual.shape)}]")
-        x = residual  # shapes, dtype and the output allocations follow the residual
     d = x.shape[-1]
     check(x.dim() >= 1 and x.is_floating_point(), f"x must be a float tensor [..., D], got {x.dtype} {tuple(x.shape)}")
     check(weight.shape == (d,), f"weight must be [D={d}], got {tuple(weight.shape)}")
@@ -128,7 +126,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         src, r2, weight, y, s if s is not None else y, d, src.stride(-2), r2.stride(0),
         src.stride(0) if parts is not None else 0, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK_D=block, N_PARTS=parts.shape[0] if parts is not None else 0,
-        num_warps=warps, PDL=pdl(x), launch_pdl=pdl(x),
+        num_warps=warps, **pdl_launch(x),
     )
     return y, s
 

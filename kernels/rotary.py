@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import check, pdl, pdl_jit, use_triton
+from ._triton import check, pdl_jit, pdl_launch, use_triton
 
 __all__ = ["apply_rotary", "apply_rotary_ref", "rotary_cache_write", "rotary_cache_write_ref"]
 
@@ -219,7 +219,7 @@ def rotary_cache_write(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         n_heads, n_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=1,
-        PDL=pdl(qkv), launch_pdl=pdl(qkv),
+        **pdl_launch(qkv),
     )
     return qo
 
@@ -259,6 +259,6 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1),
-        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4, PDL=pdl(q), launch_pdl=pdl(q),
+        HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4, **pdl_launch(q),
     )
     return qo, ko

@@ -25,7 +25,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import check, pdl, pdl_jit, use_triton
+from ._triton import check, graph_time, pdl_jit, pdl_launch, use_triton
 
 __all__ = ["sample", "sample_ref", "choices"]
 
@@ -224,7 +224,7 @@ _small_timings: dict[tuple, dict[int, float]] = {}
 def _small_warps(v: int, dtype: torch.dtype, device: torch.device) -> int:
     """Warps per row for the small-vocabulary kernel, measured once per (V, dtype, device).
 
-    The kernel's 32 counting reductions are block-wide; with fewer warps each is a shuffle within
+    The kernel's 16 or 32 counting reductions are block-wide; with fewer warps each is a shuffle within
     fewer warps and less shared memory, but each thread holds more of the row. Which wins depends
     on V and the GPU, so the first call outside a CUDA-graph capture times 64 launches of each
     option (replayed from a graph, median of 5) on a random [1, V] row and keeps the fastest.
@@ -241,25 +241,10 @@ def _small_warps(v: int, dtype: torch.dtype, device: torch.device) -> int:
     seeds = torch.zeros(1, dtype=torch.long, device=device)
     steps = torch.zeros(1, dtype=torch.long, device=device)
     times: dict[int, float] = {}
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for w in _WARP_OPTIONS:
-            sample(logits, temp, top_k, seeds, steps, num_warps=w)  # compile outside the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                for _ in range(64):
-                    sample(logits, temp, top_k, seeds, steps, num_warps=w)
-            runs = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(side)
-                graph.replay()
-                b.record(side)
-                b.synchronize()
-                runs.append(a.elapsed_time(b) * 1e3 / 64)
-            times[w] = sorted(runs)[len(runs) // 2]
-    torch.cuda.current_stream(device).wait_stream(side)
+    with torch.cuda.device(device):
+        for w in _WARP_OPTIONS:  # µs a row: 64 launches replayed from one graph, median of 5
+            run = functools.partial(sample, logits, temp, top_k, seeds, steps, num_warps=w)
+            times[w] = graph_time([run] * 64) * 1e6
     best = min(times, key=times.__getitem__)
     _small_choice[key], _small_timings[key] = best, times
     return best
@@ -300,12 +285,12 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
         small_kernel[(b,)](
             logits, temp, k, sd, st, out, v, logits.stride(0),
             BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=warps,
-            KEY_BITS=16 if logits.element_size() == 2 else 32, PDL=pdl(logits), launch_pdl=pdl(logits),
+            KEY_BITS=16 if logits.element_size() == 2 else 32, **pdl_launch(logits),
         )
         return out
     kernel[(b,)](
         logits, temp, k, sd, st, out, v, logits.stride(0),
         N_BLOCKS=triton.cdiv(v, _BLOCK_V), BLOCK_V=_BLOCK_V, LIBDEVICE_LOG=logits.is_cuda, num_warps=8,
-        PDL=pdl(logits), launch_pdl=pdl(logits),
+        **pdl_launch(logits),
     )
     return out
