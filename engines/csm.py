@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from realtime.cuda_graphs import capture as capture_graph
 from realtime.engines.sampling import sample
 from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, project, rope_frequencies, use_gemv, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
@@ -704,23 +705,6 @@ def _check_rows(state: CSMBatchState, slots: Tensor | Sequence[int]) -> None:
         state.lengths[s] += 1
 
 
-@torch.no_grad()
-def _capture(run, pool, warmups: int):  # noqa: ANN001
-    """CUDA graph of ``run()`` in ``pool`` -> (graph, run's static output). The warm-up runs (on a side
-    stream, as capture requires) compile kernels and allocate workspaces outside the graph; the
-    callers' static inputs point every row at the state's scratch slot, so they touch no session."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
-    return graph, out
-
-
 class CSMStepGraphs:
     """``CSM.step`` replayed from CUDA graphs, two per padded batch size: the frame's codes, then
     the backbone step that feeds the frame back.
@@ -751,8 +735,8 @@ class CSMStepGraphs:
                 torch.zeros(n, dtype=torch.long, device=dev),
                 torch.zeros(n, dtype=torch.long, device=dev),
             ]
-            codes_graph, out = _capture(lambda: csm._codes_rows(state, *inputs), self.pool, warmups=2)
-            feed_graph, _ = _capture(lambda: csm._feed_rows(state, inputs[0], out), self.pool, warmups=2)
+            codes_graph, out = capture_graph(lambda: csm._codes_rows(state, *inputs), self.pool, warmups=2)
+            feed_graph, _ = capture_graph(lambda: csm._feed_rows(state, inputs[0], out), self.pool, warmups=2)
             self.graphs[n] = (codes_graph, feed_graph, inputs, out)
         self._host = torch.empty((self.sizes[-1], csm.num_codebooks), dtype=torch.long, pin_memory=True)
         self._ready = torch.cuda.Event()
@@ -832,7 +816,7 @@ class CSMPrefillGraphs:
                     torch.zeros(b, t, dtype=torch.bool, device=dev),
                     torch.ones(b, dtype=torch.long, device=dev),
                 ]
-                graph, _ = _capture(lambda: csm._prefill_rows(state, *inputs), self.pool, warmups=1)
+                graph, _ = capture_graph(lambda: csm._prefill_rows(state, *inputs), self.pool, warmups=1)
                 self.graphs[(b, t)] = (graph, inputs)
         torch.cuda.synchronize()
 

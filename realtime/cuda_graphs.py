@@ -17,6 +17,23 @@ import torch
 log = logging.getLogger("realtime.cuda_graphs")
 
 
+@torch.no_grad()
+def capture(run: Callable[[], object], pool, warmups: int = 2):  # noqa: ANN001, ANN201
+    """CUDA graph of ``run()`` in memory ``pool`` -> (graph, run's static output). The warm-up runs
+    (on a side stream, as capture requires) compile kernels and allocate workspaces outside the
+    graph; callers point the static inputs at padding (a scratch slot), so they touch no session."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 def buckets_up_to(n: int) -> list[int]:
     out, b = [], 1
     while b < n:
@@ -55,16 +72,7 @@ class BucketGraphs:
         for b in self.buckets:
             t0 = time.perf_counter()
             self.inputs[b] = self.make_inputs(b)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up runs allocate workspaces outside the graph
-                    self._body(b)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[b] = self._body(b)
-            self.graphs[b] = g
+            self.graphs[b], self.outputs[b] = capture(lambda b=b: self._body(b), pool, warmups=2)
             log.info("captured %s for batch %d in %.2fs", self.name, b, time.perf_counter() - t0)
         torch.cuda.synchronize()
 
