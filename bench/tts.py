@@ -201,12 +201,10 @@ def main() -> int:
                 for n in args.concurrency:
                     log(f"concurrency {n}: open-loop arrivals over {args.arrival_s}s"
                         + (f", clients in {args.client_procs} processes" if pool else ""))
-                    gcw = live.state.metrics.gc  # the server's GC pauses during this level (they hold the GIL)
-                    n0, gcw.max_s = sum(gcw.hist.counts), 0.0
+                    live.state.metrics.gc.start_window()  # the server's GC pauses in this level (they hold the GIL)
                     lv = await sweep_level(url, PROMPTS[args.sweep_prompt], args.rate, n, args.arrival_s,
                                            pool, args.client_procs)
-                    lv["gc_collections"], lv["gc_max_pause_ms"] = sum(gcw.hist.counts) - n0, gcw.max_s * 1e3
-                    sweep.append(lv)
+                    sweep.append({**lv, **live.state.metrics.gc.window()})
             finally:
                 if pool is not None:
                     pool.close()

@@ -263,8 +263,7 @@ def main() -> int:
                 shares = [delays[k::args.client_procs] for k in range(args.client_procs)]
                 start_at = time.time() + 0.3
                 time.sleep(0.1)
-                gcw = live.state.metrics.gc  # the server's GC pauses during this level (they hold the GIL)
-                g0, gcw.max_s = sum(gcw.hist.counts), 0.0
+                live.state.metrics.gc.start_window()  # the server's GC pauses in this level (they hold the GIL)
                 c0, t0, m0, w0 = time.process_time(), thread_cpu(), clock.cpu_s, time.monotonic()
                 mt0 = dict(clock.by_thread)
                 parts = pool.starmap(client_proc, [(url, text, args.format, args.rate, sh, start_at, args.deflate)
@@ -288,8 +287,7 @@ def main() -> int:
                       "server_ttfa_p50_ms": float(np.percentile([r["server_ttfa_ms"] for r in res], 50)),
                       "server_ttfa_p95_ms": float(np.percentile([r["server_ttfa_ms"] for r in res], 95)),
                       "server_streams_with_gap_over_100ms": sum(r["server_gaps_over_100ms"] > 0 for r in res),
-                      "max_gap_ms": max(r["max_gap_ms"] for r in res),
-                      "gc_collections": sum(gcw.hist.counts) - g0, "gc_max_pause_ms": round(gcw.max_s * 1e3, 2)}
+                      "max_gap_ms": max(r["max_gap_ms"] for r in res), **live.state.metrics.gc.window()}
                 results["levels"].append(lv)
                 log(json.dumps(lv))
         finally:
@@ -309,7 +307,7 @@ def main() -> int:
               f"{lv['server_cpu_share']:>17.2f}{lv['ttfa_p50_ms']:>7.0f}/{lv['server_ttfa_p50_ms']:<6.0f}"
               f"{lv['ttfa_p95_ms']:>7.0f}/{lv['server_ttfa_p95_ms']:<6.0f}"
               f"{lv['streams_with_gap_over_100ms']:>6}/{lv['server_streams_with_gap_over_100ms']:<4}"
-              f"  {lv['us_per_stream_frame_by_thread']}  GCs {lv['gc_collections']} (max {lv['gc_max_pause_ms']} ms)")
+              f"  {lv['us_per_stream_frame_by_thread']}  GCs {lv['gc_collections']} (max {lv['gc_max_pause_ms']:.2f} ms)")
     if profiles:
         frames = sum(lv["frames"] for lv in results["levels"])
         for name, prof in profiles.items():

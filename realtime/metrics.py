@@ -73,8 +73,9 @@ class GCPauses:
 
     def __init__(self, hist: Histogram) -> None:
         self.hist = hist
-        self.max_s = 0.0
+        self.max_s = 0.0  # the longest pause (since ``start_window``)
         self._t0: float | None = None
+        self._window_from = 0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -84,6 +85,15 @@ class GCPauses:
             self._t0 = None
             self.hist.observe(dt)
             self.max_s = max(self.max_s, dt)
+
+    def start_window(self) -> None:
+        """Begin a measurement window (see ``window``)."""
+        self._window_from = sum(self.hist.counts)
+        self.max_s = 0.0
+
+    def window(self) -> dict:
+        """Collections and the longest pause since ``start_window`` (what a benchmark level reports)."""
+        return {"gc_collections": sum(self.hist.counts) - self._window_from, "gc_max_pause_ms": self.max_s * 1e3}
 
     def install(self) -> None:
         if self not in gc.callbacks:

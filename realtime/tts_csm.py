@@ -170,15 +170,19 @@ class CSMFrameLane(Lane):
         if st.last_turn is not None and st.last_turn[1]:
             context.append((job.params.speaker, st.last_turn[0], torch.from_numpy(np.stack(st.last_turn[1]))))
         prompt = b.csm.build_prompt(seg, job.params.speaker, context)
-        if b.state.max_seq_len - len(prompt) - 1 < MIN_FRAMES and context:
+        if self._room(prompt) < MIN_FRAMES and context:
             prompt = b.csm.build_prompt(seg, job.params.speaker, context[:1])  # drop the history
-        if b.state.max_seq_len - len(prompt) - 1 < 1:
+        if self._room(prompt) < 1:
             raise UnsupportedError("the text segment does not fit the model's context")
         return prompt
 
+    def _room(self, prompt: "CSMPrompt") -> int:
+        """Frames the slot's cache holds after this prompt."""
+        return self.b.state.max_seq_len - len(prompt) - 1
+
     def _begin(self, st: CSMState, seg: str, prompt: "CSMPrompt") -> None:
         """The segment's prompt is in the slot: frames may follow."""
-        room = self.b.state.max_seq_len - len(prompt) - 1
+        room = self._room(prompt)
         st.generating = True
         st.segment = seg
         st.frames_in_segment = 0
