@@ -80,7 +80,7 @@ def build_checkpoint(shapes: dict, folder: Path, dtype: torch.dtype, device: tor
 
 
 def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, temperature: float,  # noqa: ANN001
-                      context: int) -> tuple[float, list[int]]:
+                      context: int, profile: dict | None = None) -> tuple[float, list[int]]:
     from realtime.text_service import BatchDecoder
 
     dev = model.device
@@ -100,8 +100,38 @@ def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, 
         out = dec.step(slots, greedy)  # each step reads its tokens back, as the server does
         first.append(out[0])
     dt = time.perf_counter() - t0
+    if profile is not None and graphs and dev.type == "cuda":
+        _profile_graphed(dec, slots, greedy, steps, dt, profile)
     del dec
     return batch * steps / dt, first
+
+
+def _profile_graphed(dec, slots: list[int], greedy: bool, steps: int, wall: float, out: dict) -> None:  # noqa: ANN001
+    """Where a graphed step's time goes: the device-only time (the step's graph replayed back to back,
+    no token read between steps) next to the served loop's wall time, and the per-kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = next(g for (size, gr), (g, _, _) in dec._graphs.items() if gr == greedy and size >= len(slots))
+    n = 16
+    dec.pos[:dec.n_slots].sub_(n)  # replay over positions the timed loop already used (stays inside the cache)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    device_ms = 1000 * (time.perf_counter() - t0) / n
+    out["device_only_ms_per_step"] = device_ms
+    out["served_loop_ms_per_step"] = 1000 * wall / steps
+    log(f"batch {len(slots)}: device-only {device_ms:.3f} ms/step (graph replays back to back), served loop "
+        f"{1000 * wall / steps:.3f} ms/step (a token read each step)")
+    dec.pos[:dec.n_slots].sub_(n)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=24)
+    out["kernels"] = table
+    print(table, flush=True)
 
 
 @torch.inference_mode()
@@ -165,6 +195,7 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0 times the full sampler")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
+    ap.add_argument("--profile", action="store_true", help="batch 1, graphed: device-only time and a kernel table")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "text.json"))
     args = ap.parse_args()
 
@@ -212,9 +243,12 @@ def main() -> int:
 
         for b in batches:
             for graphs in graph_modes:
-                tps, toks = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context)
+                prof = {} if args.profile and b == 1 else None
+                tps, toks = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context, prof)
                 results["rows"].append({"impl": "ours-graph" if graphs else "ours-eager", "batch": b,
                                         "tokens_per_s": tps, "ms_per_step": 1000 * b / tps, "first_row": toks[:16]})
+                if prof:
+                    results["profile_b1"] = prof
                 log(f"ours {'graph' if graphs else 'eager'} batch {b}: {tps:.0f} tok/s")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
