@@ -80,7 +80,7 @@ def build_checkpoint(shapes: dict, folder: Path, dtype: torch.dtype, device: tor
 
 
 def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, temperature: float,  # noqa: ANN001
-                      context: int, profile: dict | None = None) -> tuple[float, list[int]]:
+                      context: int, profile: dict | None = None, pipelined: bool = False) -> tuple[float, list[int]]:
     from realtime.text_service import BatchDecoder
 
     dev = model.device
@@ -96,9 +96,17 @@ def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, 
     sync(dev)
     t0 = time.perf_counter()
     first = []
-    for _ in range(steps):
-        out = dec.step(slots, greedy)  # each step reads its tokens back, as the server does
-        first.append(out[0])
+    if pipelined:  # as the server's decode lane on CUDA: launch step n+1, then read step n
+        pending = dec.launch(slots, greedy)
+        for _ in range(steps - 1):
+            nxt = dec.launch(slots, greedy)
+            first.append(pending.result()[0])
+            pending = nxt
+        first.append(pending.result()[0])
+    else:
+        for _ in range(steps):
+            out = dec.step(slots, greedy)  # each step reads its tokens back before the next
+            first.append(out[0])
     dt = time.perf_counter() - t0
     if profile is not None and graphs and dev.type == "cuda":
         _profile_graphed(dec, slots, greedy, steps, dt, profile)
@@ -241,15 +249,18 @@ def main() -> int:
         results["floor_tokens_per_s_batch1"] = bw / weight_bytes
         log(f"weights read per step {weight_bytes / 1e9:.3f} GB → floor {bw / weight_bytes:.0f} tok/s at batch 1")
 
+        modes = [(g, False) for g in graph_modes] + ([(True, True)] if True in graph_modes else [])
         for b in batches:
-            for graphs in graph_modes:
-                prof = {} if args.profile and b == 1 else None
-                tps, toks = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context, prof)
-                results["rows"].append({"impl": "ours-graph" if graphs else "ours-eager", "batch": b,
+            for graphs, pipelined in modes:
+                prof = {} if args.profile and b == 1 and not pipelined else None
+                tps, toks = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context, prof,
+                                              pipelined)
+                impl = "ours-graph-pipelined" if pipelined else "ours-graph" if graphs else "ours-eager"
+                results["rows"].append({"impl": impl, "batch": b,
                                         "tokens_per_s": tps, "ms_per_step": 1000 * b / tps, "first_row": toks[:16]})
                 if prof:
                     results["profile_b1"] = prof
-                log(f"ours {'graph' if graphs else 'eager'} batch {b}: {tps:.0f} tok/s")
+                log(f"{impl} batch {b}: {tps:.0f} tok/s")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         g = torch.Generator().manual_seed(2)
@@ -287,10 +298,10 @@ def main() -> int:
 
     floor = results["floor_tokens_per_s_batch1"]
     print()
-    print(f"{'impl':<12} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor(b1)':>11} {'agree':>6}")
+    print(f"{'impl':<21} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor(b1)':>11} {'agree':>6}")
     for r in results["rows"]:
         ag = r.get("agrees_with_hf")
-        print(f"{r['impl']:<12} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['ms_per_step']:>9.2f} "
+        print(f"{r['impl']:<21} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['ms_per_step']:>9.2f} "
               f"{r['tokens_per_s'] / floor:>11.2f} {'' if ag is None else f'{ag:.2f}':>6}")
     print(f"bandwidth floor at batch 1: {floor:.0f} tok/s ({results['weight_bytes_per_step'] / 1e9:.3f} GB/step at "
           f"{results['copy_bandwidth_GBps']:.0f} GB/s)")

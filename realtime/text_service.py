@@ -60,6 +60,25 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # ---- the batched decoder (engine-side, no scheduler knowledge) -----------------------------------
 
+class StepResult:
+    """The tokens of a launched decode step: on CUDA a pinned host copy and an event, so the host can
+    launch the next step (which reads its tokens on the device) before it waits for this one."""
+
+    __slots__ = ("_host", "_event", "_n", "_tokens")
+
+    def __init__(self, tokens: list[int] | None = None, host: torch.Tensor | None = None,
+                 event: Any = None, n: int = 0) -> None:
+        self._tokens, self._host, self._event, self._n = tokens, host, event, n
+
+    def result(self) -> list[int]:
+        if self._tokens is None:
+            assert self._host is not None and self._event is not None
+            self._event.synchronize()
+            self._tokens = self._host[:self._n].tolist()
+            self._host = self._event = None
+        return self._tokens
+
+
 class BatchDecoder:
     """A static KV cache of ``n_slots`` (+1 scratch slot) and the batched prefill/decode/sample.
 
@@ -90,6 +109,10 @@ class BatchDecoder:
         self._idx_key: tuple[int, ...] | None = None
         self._idx: torch.Tensor | None = None
         self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._host: list[torch.Tensor] | None = None  # two pinned token buffers (launch/result)
+        self._next_host = 0
+        self._host_owner: list[StepResult | None] = [None, None]
+        self._graph_idx: dict[tuple[int, bool], tuple[int, ...]] = {}  # rows last copied into each graph's idx_buf
 
     @property
     def device(self) -> torch.device:
@@ -137,15 +160,42 @@ class BatchDecoder:
         ``greedy``: every row has temperature 0 (argmax only; the host knows this, the device need
         not branch). The caller keeps every pos < max_seq_len.
         """
+        return self.launch(slots, greedy).result()
+
+    @torch.inference_mode()
+    def launch(self, slots: Sequence[int], greedy: bool = False) -> StepResult:
+        """``step`` without the wait: the step is queued, its tokens come from ``.result()``. Each
+        slot's next input token stays on the device, so the next step may be launched first and the
+        host's work (reading, detokenising) overlaps the GPU's."""
         if not slots:
-            return []
+            return StepResult([])
         if self.cuda_graphs:
-            return self._graphed(slots, greedy)
+            return self._to_host(self._graphed(slots, greedy), len(slots))
         key = tuple(slots)
         if key != self._idx_key:  # the batch changed: one small host→device copy
             self._idx = self._to_device(key)
             self._idx_key = key
-        return self._eager(self._idx, greedy).tolist()  # the one host sync per step
+        nxt = self._eager(self._idx, greedy)
+        if nxt.is_cuda:
+            return self._to_host(nxt, len(slots))
+        return StepResult(nxt.tolist())
+
+    def _to_host(self, out: torch.Tensor, n: int) -> StepResult:
+        """Queue the copy of out[:n] into the next of two pinned buffers, with an event."""
+        if self._host is None:
+            cap = max(BUCKETS[-1], self.n_slots + 1)
+            self._host = [torch.empty(cap, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        i = self._next_host
+        self._next_host ^= 1
+        if self._host_owner[i] is not None:  # still unread: read it before its buffer is reused
+            self._host_owner[i].result()
+        buf = self._host[i]
+        buf[:n].copy_(out[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        res = StepResult(host=buf, event=event, n=n)
+        self._host_owner[i] = res
+        return res
 
     def _to_device(self, values: Sequence[int]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.long)
@@ -159,17 +209,19 @@ class BatchDecoder:
                 return size
         raise AssertionError(f"batch {b} above the largest bucket")
 
-    def _graphed(self, slots: Sequence[int], greedy: bool) -> list[int]:
+    def _graphed(self, slots: Sequence[int], greedy: bool) -> torch.Tensor:
         b = len(slots)
         size = min(self._bucket(b), self._bucket(self.n_slots))
         entry = self._graphs.get((size, greedy))
         if entry is None:
             entry = self._capture(size, greedy)
         graph, idx_buf, out = entry
-        padded = list(slots) + [self.scratch] * (size - b)
-        idx_buf.copy_(self._to_device(padded), non_blocking=True)
+        padded = tuple(slots) + (self.scratch,) * (size - b)
+        if self._graph_idx.get((size, greedy)) != padded:  # the batch changed: one small host→device copy
+            idx_buf.copy_(self._to_device(padded), non_blocking=True)
+            self._graph_idx[(size, greedy)] = padded
         graph.replay()
-        return out[:b].tolist()
+        return out
 
     def _capture(self, size: int, greedy: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Capture one step for a static slot buffer of ``size`` rows (warm-up runs on the scratch slot)."""
@@ -436,23 +488,57 @@ class TextDecodeLane(Lane):
         self.svc = service
         self.max_batch = service.engine.n_slots
         self.tokens = 0  # tokens produced by decode steps (for stats/tests)
+        self.dropped = 0  # tokens of a step in flight when its reply ended (pipelined only)
+        # One step in flight on CUDA (REALTIME_TEXT_PIPELINE=0: read each step before the next).
+        self.pipelined = service.engine.device.type == "cuda" and os.environ.get("REALTIME_TEXT_PIPELINE", "1") != "0"
+        self._inflight: tuple[list[TextJob], StepResult] | None = None
+        self._inflight_jobs: frozenset[TextJob] = frozenset()
 
     def is_ready(self, job: TextJob) -> bool:  # type: ignore[override]
-        return job.prefilled and job.finish_reason is None and job.output.room() > MIN_ROOM
+        if not job.prefilled or job.finish_reason is not None:
+            return False
+        return job.output.room() > MIN_ROOM or job in self._inflight_jobs  # (its token waits to be read)
 
     def run(self, jobs: list[TextJob]) -> None:  # type: ignore[override]
+        """Launch this step, then read the previous one (pipelined on CUDA: the GPU runs step n+1 while
+        the host detokenises step n). A job whose in-flight token may end it by length or context
+        is not stepped again; one that stops on eos/stop text had one extra token computed, dropped."""
         eng = self.svc.engine
-        jobs = [j for j in jobs if j.active and j.finish_reason is None]
-        if not jobs:
-            return
-        jobs.sort(key=lambda j: j.slot)  # a stable slot order keeps the device slot list cached
-        greedy = all(j.params.temperature <= 0 for j in jobs)
-        toks = eng.step([j.slot for j in jobs], greedy=greedy)
+        prev, prev_jobs = self._inflight, self._inflight_jobs
+        step = [j for j in jobs if j.active and j.finish_reason is None and j.output.room() > MIN_ROOM
+                and self._room_after(j, 1 if j in prev_jobs else 0)]
+        cur = None
+        if step:
+            step.sort(key=lambda j: j.slot)  # a stable slot order keeps the device slot list cached
+            greedy = all(j.params.temperature <= 0 for j in step)
+            cur = (step, eng.launch([j.slot for j in step], greedy=greedy))
+        if self.pipelined:
+            self._inflight, self._inflight_jobs = cur, frozenset(step)
+        else:
+            self._inflight, self._inflight_jobs = None, frozenset()
+        if prev is not None:
+            self._deliver(*prev)
+        if cur is not None and not self.pipelined:
+            self._deliver(*cur)
+
+    def _room_after(self, job: TextJob, inflight: int) -> bool:
+        """May ``job`` take another step with ``inflight`` tokens not yet read? (No when one of those
+        could end it by max tokens, or the step would write past the cache.)"""
+        done = job.completion_tokens + inflight
+        # the step writes the last sampled token at pos = prompt + done - 1
+        return done < job.max_new and len(job.ids) + done <= self.svc.engine.max_seq_len
+
+    def _deliver(self, jobs: list[TextJob], result: "StepResult") -> None:
+        toks = result.result()
         now = time.monotonic()
-        self.tokens += len(toks)
+        max_seq = self.svc.engine.max_seq_len
         for job, tok in zip(jobs, toks, strict=True):
+            if not job.active or job.finish_reason is not None:
+                self.dropped += 1  # ended (eos, stop, cancel) after this step was launched
+                continue
+            self.tokens += 1
             # pos of the token just sampled = prompt + tokens so far - 1; it needs a cache row too
-            full = len(job.ids) + job.completion_tokens >= eng.max_seq_len
+            full = len(job.ids) + job.completion_tokens >= max_seq
             job.on_token(tok, now, context_full=full)
 
 

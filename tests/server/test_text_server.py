@@ -159,6 +159,36 @@ def test_stop_strings_and_max_tokens(live) -> None:  # noqa: ANN001
     assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 5 and text
 
 
+def test_pipelined_decode_lane_gives_the_same_replies(live) -> None:  # noqa: ANN001
+    """With one step in flight (the CUDA default: step n+1 launched before step n is read), the replies,
+    stops, max-token cuts and usage are those of the read-every-step lane; a reply that ends on eos
+    or a stop string had one extra token computed, which is dropped."""
+    url = f"{live.ws}/v1/text"
+    starts = [{"messages": p, "temperature": 0, "max_tokens": 24} for p in PROMPTS]
+    starts += [{"messages": FRANCE, "temperature": 0, "stop": ["Paris"]},
+               {"messages": FRANCE, "temperature": 0, "max_tokens": 3},
+               {"messages": PROMPTS[2], "temperature": 1.0, "seed": 7, "max_tokens": 12}]
+
+    async def together():  # noqa: ANN202
+        return await asyncio.gather(*[_ws_request(url, s) for s in starts])
+
+    lane = live.svc.decode_lane
+    assert lane.pipelined is False  # the CPU default
+    want = _run(together())
+    try:
+        lane.pipelined = True
+        dropped0 = lane.dropped
+        got = _run(together())
+        solo = [_run(_ws_request(url, s)) for s in starts[4:]]
+    finally:
+        lane.pipelined = False
+    for (wt, wd, _), (gt, gd, _) in zip(want, got):
+        assert gt == wt and gd["usage"] == wd["usage"] and gd["finish_reason"] == wd["finish_reason"]
+    assert [t for t, _, _ in solo] == [t for t, _, _ in want[4:]]
+    assert got[5][1]["usage"]["completion_tokens"] == 3 and got[4][0] == "The capital of France is "
+    assert lane.dropped > dropped0  # the stop-string reply's extra token
+
+
 def test_cancel_frees_the_slot_and_the_connection_goes_on(live) -> None:  # noqa: ANN001
     url = f"{live.ws}/v1/text"
     sched = live.state.scheduler
@@ -307,20 +337,32 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (12, 30, 7, 19)]
     runs = []
-    for graphs in (False, True):
+    for graphs, pipelined in ((False, False), (True, False), (True, True)):
         dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
         assert dec.cuda_graphs is graphs
         out: dict[int, list[int]] = {s: [] for s in range(4)}
         for s, ids in enumerate(prompts):
             temp = 0.0 if s % 2 == 0 else 0.9
             out[s].append(dec.start(s, ids, temp, 0 if s < 2 else 40, 0.95, seed=100 + s))
+        pending = None
         for step in range(24):
             # the batch changes shape: 4, 3 (slot 1 gone), then 2, then all four again
             active = [0, 1, 2, 3] if step < 6 or step >= 18 else [0, 2, 3] if step < 12 else [2, 3]
             greedy = all(s % 2 == 0 for s in active)
-            for s, t in zip(active, dec.step(active, greedy=greedy)):
+            if not pipelined:
+                for s, t in zip(active, dec.step(active, greedy=greedy)):
+                    out[s].append(t)
+                continue
+            # as the decode lane does: launch this step, then read the one before
+            launched = (active, dec.launch(active, greedy=greedy))
+            if pending is not None:
+                for s, t in zip(pending[0], pending[1].result()):
+                    out[s].append(t)
+            pending = launched
+        if pending is not None:
+            for s, t in zip(pending[0], pending[1].result()):
                 out[s].append(t)
         runs.append(out)
         if graphs:
             assert {k[0] for k in dec._graphs} >= {2, 4}  # buckets were captured and replayed
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
