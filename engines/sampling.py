@@ -8,6 +8,8 @@ on which other requests share the batch or on a global RNG state.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -50,9 +52,29 @@ def uniform_noise(seeds: Tensor, steps: Tensor, vocab: int) -> Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def greedy(logits: Tensor) -> Tensor:
-    """logits [B, V] -> argmax token ids [B] (long)."""
-    return logits.argmax(dim=-1)
+def greedy(logits: Tensor, chunked: bool | None = None) -> Tensor:
+    """logits [B, V] -> argmax token ids [B] (long); the first index of the maximum, as ``argmax``.
+
+    On CUDA a wide row is reduced in two stages: the maximum of each of C equal chunks, then the
+    first chunk holding the largest. torch's argmax gives a single row one block, which took
+    27 µs for a 128,256-token vocabulary on an H200; the chunked form is a few small launches.
+    ``chunked``: force the two stages on (tests on the CPU) or off; default on CUDA only.
+    """
+    b, v = logits.shape
+    c = _chunks(v) if (logits.is_cuda if chunked is None else chunked) else 0
+    if not c:
+        return logits.argmax(dim=-1)
+    vals, idx = logits.view(b, c, v // c).max(dim=-1)  # [B, C]: each chunk's max, its first index
+    best = vals.argmax(dim=-1, keepdim=True)  # [B, 1]: the first chunk holding the row's max
+    return (best * (v // c) + idx.gather(1, best))[:, 0]
+
+
+@functools.cache
+def _chunks(v: int) -> int:
+    """The largest chunk count in [64, 512] dividing ``v`` (0: none, or the row is short)."""
+    if v < 16384:
+        return 0
+    return next((c for c in range(512, 63, -1) if v % c == 0), 0)
 
 
 def sample(

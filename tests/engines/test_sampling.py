@@ -145,3 +145,23 @@ def test_cuda_equals_cpu() -> None:
     gpu = sample(*(a.cuda() for a in args)).cpu()
     # Same integer noise; float log/exp may differ in the last ulp, so allow a rare near-tie flip.
     assert (cpu == gpu).float().mean() > 0.995
+
+
+@pytest.mark.parametrize("v", [128256, 49152, 20000])
+def test_chunked_greedy_is_argmax_ties_included(v):
+    """The two-stage argmax (chunk maxima, then the first chunk with the largest) = torch.argmax:
+    the first index of the maximum, also when it repeats across and inside chunks; bf16 and fp32."""
+    from realtime.engines.sampling import _chunks, greedy
+
+    assert _chunks(v) > 0 and v % _chunks(v) == 0
+    g = torch.Generator().manual_seed(v)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, v, generator=g).to(dtype)
+        x[1, [7, v // 2, v - 1]] = 50.0  # a tie across chunks: the first wins
+        x[2, [v - 2, v - 1]] = 50.0  # a tie inside the last chunk
+        x[3] = 0.0  # all equal: index 0
+        x[4, v - 1] = 50.0  # the very last index
+        x[5, 0] = 50.0
+        got = greedy(x, chunked=True)
+        assert torch.equal(got, x.argmax(dim=-1)), (dtype, got, x.argmax(dim=-1))
+        assert got[1] == 7 and got[2] == v - 2 and got[3] == 0 and got[4] == v - 1 and got[5] == 0
