@@ -232,11 +232,14 @@ def _candidates(n: int, k: int | None = None, partials: bool = False) -> list[Co
     with ``partials``, also split-K tiles where a split still gets a few K steps (K >= 1024 a split)."""
     fma = _default_config(n)
     out: list[Config] = [fma, ("fma", max(4, fma[1] // 2), fma[2], 4, 1),
-                         ("dot", 16, 128, 4, 4), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 4), ("dot", 64, 64, 4, 4)]
+                         ("dot", 16, 128, 4, 4), ("dot", 16, 256, 4, 3), ("dot", 32, 128, 4, 4), ("dot", 64, 64, 4, 4),
+                         # more bytes in flight per program (3-6 stages of 16-32 KB tiles) for the large products
+                         ("dot", 32, 256, 4, 3), ("dot", 64, 128, 4, 3), ("dot", 64, 64, 4, 6)]
     if partials and k is not None:
         for splits in (2, 4, 8):
             if k // splits >= 1024:
-                out += [("dot", 16, 128, 4, 4, splits), ("dot", 32, 128, 4, 4, splits), ("fma", 8, 1024, 4, 1, splits)]
+                out += [("dot", 16, 128, 4, 4, splits), ("dot", 32, 128, 4, 4, splits), ("fma", 8, 1024, 4, 1, splits),
+                        ("dot", 64, 64, 4, 4, splits)]
     return out
 
 
