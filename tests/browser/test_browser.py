@@ -249,8 +249,10 @@ async def test_agent_page_end_to_end(piper, tmp_path) -> None:  # noqa: ANN001
                                 15, "session.updated from /v1/realtime")
             st = await page.eval("window.realtimeStats.agent")
             assert st.get("sessionUpdated"), f"/v1/realtime did not accept session.update: {st}"
-            await page.wait_for("/gregson/i.test(window.realtimeStats.agent.lastTranscript || '')", 30,
-                                "the user's transcript with 'Gregson'")
+            # Whisper tiny.en hears the name as "Gregson" or "Greggs in" depending on where the server's
+            # VAD cut the turn (real-time audio on a loaded CI machine): both are "faced Greg..."
+            await page.wait_for("/faced\\s+greg/i.test(window.realtimeStats.agent.lastTranscript || '')", 30,
+                                "the user's transcript with 'faced Greg(son)'")
             await page.wait_for("(window.realtimeStats.agent.turns || []).some(t => t.playedMs > 0)", 60,
                                 "the agent's reply to play to the end")
             st = await page.eval("window.realtimeStats.agent")
@@ -265,7 +267,7 @@ async def test_agent_page_end_to_end(piper, tmp_path) -> None:  # noqa: ANN001
             assert st["lastReply"].strip(), st
             assert st["events"].get("response.output_audio.delta", 0) > 0, st["events"]
             log = await page.eval("document.querySelector('#agent-log').textContent")
-            assert "gregson" in log.lower(), log
+            assert re.search(r"faced\s+greg", log, re.I), log
             assert re.fullmatch(r"\d+ ms", await page.eval("document.querySelector('#agent-latency').textContent"))
             no_page_errors(page)
             await page.screenshot(shot_path(tmp_path, "browser.png"))
