@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The speech and text benchmarks of BENCHMARKS.md in one device call (~6 min on one H200):
+#   bash bench/h200_all.sh COMMIT [OUT_DIR]
+# 1. bench/csm_engine.py: CSM-1B frames/s at batch 1/8/64 next to HF transformers (eager, static
+#    cache) on the same random-weight checkpoint, Mimi decode, prefill, and a kernel profile.
+# 2. bench/tts.py: the real server on loopback. TTFA for three prompts, then an open-loop concurrency
+#    sweep of 1..256 streams (underruns, GC pauses). It writes a JSON and the PNG plot.
+# 3. bench/text.py: Llama-3.2-1B shapes, batch 1/8/32/128, read-each-step and pipelined, next to HF.
+# COMMIT labels the results: pass the hash from the machine that sent the tree. The device copy's
+# own git may name another commit. OUT_DIR defaults to $OUT (the device tool's folder) or
+# bench/results/run. Besides the summary printed here, everything goes into one results.tgz, because
+# the device tool returns only a few files a call.
+set -u
+export REALTIME_COMMIT="${1:?usage: bench/h200_all.sh COMMIT [OUT_DIR]}"
+out="${2:-${OUT:-bench/results/run}}"
+mkdir -p "$out"
+work="$(mktemp -d)"
+source bench/h200_env.sh
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+
+echo "== CSM engine (builds a random CSM-1B in /tmp/csm1b on first use)"
+timeout 200 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 8 64 --variants graphed_kernels \
+  --frames 48 --out "$work/csm_engine_h200.json" > "$work/csm_engine.log" 2>&1
+grep "^\[" "$work/csm_engine.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|Mimi\|HF" | cut -c1-170
+
+echo "== served TTS sweep"
+timeout 240 python3 bench/tts.py --tts-model /tmp/csm1b --generator-device cuda:0 --codec-device cuda:0 \
+  --dtype bfloat16 --slots 256 --prompts hello short reference --rounds 10 --warmup 3 --sweep-prompt short \
+  --concurrency 1 8 32 64 128 256 --client-procs 8 --out "$work/tts_csm_h200.json" \
+  --plot "$work/tts_csm_h200.png" > "$work/tts.log" 2>&1
+grep -v "INFO\|Loading" "$work/tts.log" | tail -16
+
+echo "== text decode"
+timeout 120 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
+grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity" | tail -20
+
+tar czf "$out/results.tgz" -C "$work" .
+echo "wrote $out/results.tgz ($(ls "$work" | tr '\n' ' '))"
