@@ -64,7 +64,7 @@ def greedy(logits: Tensor, chunked: bool | None = None) -> Tensor:
     c = _chunks(v) if (logits.is_cuda if chunked is None else chunked) else 0
     if not c:
         return logits.argmax(dim=-1)
-    vals, idx = logits.view(b, c, v // c).max(dim=-1)  # [B, C]: each chunk's max, its first index
+    vals, idx = logits.reshape(b, c, v // c).max(dim=-1)  # [B, C]: each chunk's max, its first index
     best = vals.argmax(dim=-1, keepdim=True)  # [B, 1]: the first chunk holding the row's max
     return (best * (v // c) + idx.gather(1, best))[:, 0]
 
@@ -116,5 +116,5 @@ def sample(
     u = uniform_noise(seeds.to(dev), steps.to(dev), v)
     gumbel = -torch.log(-torch.log(u))
     noisy = (scaled + gumbel).masked_fill(~keep, float("-inf"))
-    sampled = noisy.argmax(dim=-1)
-    return torch.where(greedy_row, lg.argmax(dim=-1), sampled)
+    sampled = greedy(noisy)  # (the two-stage argmax on CUDA; these rows are vocabulary-wide)
+    return torch.where(greedy_row, greedy(lg), sampled)
