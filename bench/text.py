@@ -92,20 +92,20 @@ def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, 
     slots = list(range(batch))
     greedy = temperature <= 0
     for _ in range(3):  # warm-up (and graph capture)
-        dec.step(slots, greedy)
+        dec.step(slots, greedy, filtered=False)
     sync(dev)
     t0 = time.perf_counter()
     first = []
     if pipelined:  # as the server's decode lane on CUDA: launch step n+1, then read step n
-        pending = dec.launch(slots, greedy)
+        pending = dec.launch(slots, greedy, filtered=False)
         for _ in range(steps - 1):
-            nxt = dec.launch(slots, greedy)
+            nxt = dec.launch(slots, greedy, filtered=False)
             first.append(pending.result()[0])
             pending = nxt
         first.append(pending.result()[0])
     else:
         for _ in range(steps):
-            out = dec.step(slots, greedy)  # each step reads its tokens back before the next
+            out = dec.step(slots, greedy, filtered=False)  # each step reads its tokens back before the next
             first.append(out[0])
     dt = time.perf_counter() - t0
     if profile is not None and graphs and dev.type == "cuda":
@@ -119,7 +119,8 @@ def _profile_graphed(dec, slots: list[int], greedy: bool, steps: int, wall: floa
     no token read between steps) next to the served loop's wall time, and the per-kernel table."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = next(g for (size, gr), (g, _, _) in dec._graphs.items() if gr == greedy and size >= len(slots))
+    mode = dec._mode(greedy, filtered=False)
+    graph = next(g for (size, m), (g, _, _) in dec._graphs.items() if m == mode and size >= len(slots))
     n = 16
     dec.pos[:dec.n_slots].sub_(n)  # replay over positions the timed loop already used (stays inside the cache)
     torch.cuda.synchronize()
@@ -200,7 +201,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per stream")
     ap.add_argument("--context", type=int, default=None,
                     help="KV cache length per stream (both attend over all of it each step); default prompt+steps+8")
-    ap.add_argument("--temperature", type=float, default=0.0, help="> 0 times the full sampler")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0 times sampling (top-k and top-p off, the API default: no vocabulary sort)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--profile", action="store_true", help="batch 1, graphed: device-only time and a kernel table")

@@ -84,6 +84,7 @@ def sample(
     top_p: Tensor,
     seeds: Tensor,
     steps: Tensor,
+    filtered: bool = True,
 ) -> Tensor:
     """Sample one token per row.
 
@@ -91,6 +92,8 @@ def sample(
     top_p [B] (>= 1 = off); seeds [B] long; steps [B] long (the request's token counter).
     Order as in HF: temperature, then top-k, then top-p over the renormalised top-k set, then
     Gumbel-max over the kept tokens. Returns token ids [B] (long).
+    ``filtered=False``: the caller knows no row uses top-k or top-p (the API default), so the
+    vocabulary sort and the keep mask are skipped; the tokens are the same.
     """
     b, v = logits.shape
     dev = logits.device
@@ -98,6 +101,10 @@ def sample(
     temp = temperature.to(device=dev, dtype=torch.float32)
     greedy_row = temp <= 0
     scaled = lg / torch.where(greedy_row, torch.ones_like(temp), temp)[:, None]
+    if not filtered:  # every token kept: Gumbel-max over the whole row
+        u = uniform_noise(seeds.to(dev), steps.to(dev), v)
+        gumbel = -torch.log(-torch.log(u))
+        return torch.where(greedy_row, greedy(lg), greedy(scaled + gumbel))
 
     sorted_lg, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(v, device=dev)[None, :]

@@ -108,11 +108,11 @@ class BatchDecoder:
             raise ConfigError(f"CUDA-graphed decode supports at most {BUCKETS[-1]} slots, got {n_slots}")
         self._idx_key: tuple[int, ...] | None = None
         self._idx: torch.Tensor | None = None
-        self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, str], tuple[Any, torch.Tensor, torch.Tensor]] = {}  # (bucket, mode)
         self._host: list[torch.Tensor] | None = None  # two pinned token buffers (launch/result)
         self._next_host = 0
         self._host_owner: list[StepResult | None] = [None, None]
-        self._graph_idx: dict[tuple[int, bool], tuple[int, ...]] = {}  # rows last copied into each graph's idx_buf
+        self._graph_idx: dict[tuple[int, str], tuple[int, ...]] = {}  # rows last copied into each graph's idx_buf
 
     @property
     def device(self) -> torch.device:
@@ -138,44 +138,51 @@ class BatchDecoder:
         self.step_no[slot] = 1
         return int(first.item())  # one read per new request
 
-    def _eager(self, idx: torch.Tensor, greedy: bool) -> torch.Tensor:
+    def _eager(self, idx: torch.Tensor, mode: str) -> torch.Tensor:
         from realtime.engines.sampling import greedy as argmax
         from realtime.engines.sampling import sample
 
         pos = self.pos[idx]
         logits = self.model.decode_step(self.cache, idx, self.tok[idx], pos)
-        if greedy:
+        if mode == "greedy":
             nxt = argmax(logits)
         else:
-            nxt = sample(logits, self.temp[idx], self.top_k[idx], self.top_p[idx], self.seed[idx], self.step_no[idx])
+            nxt = sample(logits, self.temp[idx], self.top_k[idx], self.top_p[idx], self.seed[idx], self.step_no[idx],
+                         filtered=mode == "filter")
         self.tok[idx] = nxt
         self.pos[idx] = pos + 1
         self.step_no[idx] = self.step_no[idx] + 1
         return nxt
 
     @torch.inference_mode()
-    def step(self, slots: Sequence[int], greedy: bool = False) -> list[int]:
+    def step(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True) -> list[int]:
         """One token for each slot in ``slots`` (each at its own position) → the sampled ids.
 
         ``greedy``: every row has temperature 0 (argmax only; the host knows this, the device need
-        not branch). The caller keeps every pos < max_seq_len.
+        not branch). ``filtered=False``: no row uses top-k or top-p (no vocabulary sort). The caller
+        keeps every pos < max_seq_len.
         """
-        return self.launch(slots, greedy).result()
+        return self.launch(slots, greedy, filtered).result()
+
+    @staticmethod
+    def _mode(greedy: bool, filtered: bool) -> str:
+        return "greedy" if greedy else "filter" if filtered else "sample"
 
     @torch.inference_mode()
-    def launch(self, slots: Sequence[int], greedy: bool = False) -> StepResult:
+    def launch(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True) -> StepResult:
         """``step`` without the wait: the step is queued, its tokens come from ``.result()``. Each
         slot's next input token stays on the device, so the next step may be launched first and the
         host's work (reading, detokenising) overlaps the GPU's."""
         if not slots:
             return StepResult([])
+        mode = self._mode(greedy, filtered)
         if self.cuda_graphs:
-            return self._to_host(self._graphed(slots, greedy), len(slots))
+            return self._to_host(self._graphed(slots, mode), len(slots))
         key = tuple(slots)
         if key != self._idx_key:  # the batch changed: one small host→device copy
             self._idx = self._to_device(key)
             self._idx_key = key
-        nxt = self._eager(self._idx, greedy)
+        nxt = self._eager(self._idx, mode)
         if nxt.is_cuda:
             return self._to_host(nxt, len(slots))
         return StepResult(nxt.tolist())
@@ -209,21 +216,21 @@ class BatchDecoder:
                 return size
         raise AssertionError(f"batch {b} above the largest bucket")
 
-    def _graphed(self, slots: Sequence[int], greedy: bool) -> torch.Tensor:
+    def _graphed(self, slots: Sequence[int], mode: str) -> torch.Tensor:
         b = len(slots)
         size = min(self._bucket(b), self._bucket(self.n_slots))
-        entry = self._graphs.get((size, greedy))
+        entry = self._graphs.get((size, mode))
         if entry is None:
-            entry = self._capture(size, greedy)
+            entry = self._capture(size, mode)
         graph, idx_buf, out = entry
         padded = tuple(slots) + (self.scratch,) * (size - b)
-        if self._graph_idx.get((size, greedy)) != padded:  # the batch changed: one small host→device copy
+        if self._graph_idx.get((size, mode)) != padded:  # the batch changed: one small host→device copy
             idx_buf.copy_(self._to_device(padded), non_blocking=True)
-            self._graph_idx[(size, greedy)] = padded
+            self._graph_idx[(size, mode)] = padded
         graph.replay()
         return out
 
-    def _capture(self, size: int, greedy: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _capture(self, size: int, mode: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Capture one step for a static slot buffer of ``size`` rows (warm-up runs on the scratch slot)."""
         idx_buf = torch.full((size,), self.scratch, dtype=torch.long, device=self.device)
         saved = [t[self.scratch].clone() for t in (self.tok, self.pos, self.step_no)]
@@ -231,19 +238,19 @@ class BatchDecoder:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._eager(idx_buf, greedy)
+                self._eager(idx_buf, mode)
                 self._reset_scratch()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # Each graph keeps its own memory pool: simpler to reason about than a shared one, and the
         # intermediates of one step are small next to the weights and the KV cache.
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self._eager(idx_buf, greedy)
+            out = self._eager(idx_buf, mode)
             self._reset_scratch()
         for t, v in zip((self.tok, self.pos, self.step_no), saved, strict=True):
             t[self.scratch] = v
-        self._graphs[(size, greedy)] = (graph, idx_buf, out)
-        return self._graphs[(size, greedy)]
+        self._graphs[(size, mode)] = (graph, idx_buf, out)
+        return self._graphs[(size, mode)]
 
     def _reset_scratch(self) -> None:
         # Padding rows advance the scratch slot's position; pin it at 0 so it never runs off the cache.
@@ -257,9 +264,9 @@ class BatchDecoder:
         if not self.cuda_graphs:
             return
         for size in BUCKETS:
-            for greedy in (True, False):
-                if (size, greedy) not in self._graphs:
-                    self._capture(size, greedy)
+            for mode in ("greedy", "sample", "filter"):
+                if (size, mode) not in self._graphs:
+                    self._capture(size, mode)
             if size >= self.n_slots:
                 break
 
@@ -511,7 +518,8 @@ class TextDecodeLane(Lane):
         if step:
             step.sort(key=lambda j: j.slot)  # a stable slot order keeps the device slot list cached
             greedy = all(j.params.temperature <= 0 for j in step)
-            cur = (step, eng.launch([j.slot for j in step], greedy=greedy))
+            filtered = any(j.params.top_k > 0 or j.params.top_p < 1.0 for j in step)
+            cur = (step, eng.launch([j.slot for j in step], greedy=greedy, filtered=filtered))
         if self.pipelined:
             self._inflight, self._inflight_jobs = cur, frozenset(step)
         else:
@@ -968,7 +976,7 @@ def _local_turn(args: argparse.Namespace) -> Callable[[list, dict], tuple[str, d
             print(s, end="", flush=True)
             if n >= limit:
                 break
-            t = eng.step([0], greedy=p.temperature <= 0)[0]
+            t = eng.step([0], greedy=p.temperature <= 0, filtered=p.top_k > 0 or p.top_p < 1.0)[0]
             n += 1
         tail = dec.flush()
         parts.append(tail)

@@ -165,3 +165,17 @@ def test_chunked_greedy_is_argmax_ties_included(v):
         got = greedy(x, chunked=True)
         assert torch.equal(got, x.argmax(dim=-1)), (dtype, got, x.argmax(dim=-1))
         assert got[1] == 7 and got[2] == v - 2 and got[3] == 0 and got[4] == v - 1 and got[5] == 0
+
+
+def test_unfiltered_path_equals_the_sorting_path() -> None:
+    """``filtered=False`` (no row with top-k/top-p) skips the sort and gives the same tokens, greedy
+    rows included, float32 and bf16 logits."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (2 * torch.randn(12, 3000, generator=g)).to(dtype)
+        t, k, p = _params(12, temperature=0.9)
+        t[::3] = 0.0
+        seeds, steps = torch.arange(12) * 7, torch.arange(12) + 3
+        want = sample(logits, t, k, p, seeds, steps)
+        assert torch.equal(sample(logits, t, k, p, seeds, steps, filtered=False), want)
+        assert torch.equal(want[::3], logits.float().argmax(-1)[::3])

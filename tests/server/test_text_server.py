@@ -307,13 +307,43 @@ def test_padding_rows_on_the_scratch_slot_change_nothing(live) -> None:  # noqa:
         idx = torch.tensor([0, 1] + [dec.scratch] * pad)
         for _ in range(6):
             with torch.inference_mode():
-                nxt = dec._eager(idx, greedy=False)
+                nxt = dec._eager(idx, "filter")
                 dec._reset_scratch()
             for s in range(2):
                 out[s].append(int(nxt[s]))
         assert int(dec.pos[dec.scratch]) == 0
         runs.append(out)
     assert runs[0] == runs[1]
+
+
+def test_unfiltered_sampling_skips_the_sort_and_keeps_the_tokens(live) -> None:  # noqa: ANN001
+    """Rows without top-k/top-p (the API default) are sampled without the vocabulary sort: the same
+    tokens as the filtering path, greedy rows mixed in; the lane picks the mode from the requests."""
+    from realtime.text_service import BatchDecoder
+
+    model, tok = live.svc.model, live.svc.tokenizer
+    runs = []
+    for filtered in (True, False):
+        dec = BatchDecoder(model, 3, 96)
+        temps = (0.8, 0.0, 1.3)
+        out = [[dec.start(s, tok.encode(tok.apply_chat_template(PROMPTS[s])), temps[s], 0, 1.0, seed=s)]
+               for s in range(3)]
+        for _ in range(8):
+            for s, t in enumerate(dec.step([0, 1, 2], greedy=False, filtered=filtered)):
+                out[s].append(t)
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][2]  # the sampled rows really sampled (different seeds, temperatures)
+    # through the server: a default request (temperature 1, no top-k/top-p) is seeded-reproducible
+    # beside a filtered one in the same steps
+    url = f"{live.ws}/v1/text"
+    plain = {"messages": PROMPTS[1], "temperature": 1.0, "seed": 5, "max_tokens": 12}
+    alone = _run(_ws_request(url, plain))[0]
+
+    async def beside():  # noqa: ANN202
+        return await asyncio.gather(_ws_request(url, plain), _ws_request(url, {**plain, "top_p": 0.9, "seed": 6}))
+
+    assert _run(beside())[0][0] == alone and alone
 
 
 @pytest.mark.gpu
@@ -366,3 +396,13 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
         if graphs:
             assert {k[0] for k in dec._graphs} >= {2, 4}  # buckets were captured and replayed
     assert runs[0] == runs[1] == runs[2]
+    # rows without top-k/top-p: the graphed unsorted sampler gives the eager filtering path's tokens
+    plain = []
+    for graphs, filtered in ((False, True), (True, False)):
+        dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
+        out = {s: [dec.start(s, ids, 0.9 if s % 2 else 0.0, 0, 1.0, seed=200 + s)] for s, ids in enumerate(prompts)}
+        for _ in range(12):
+            for s, t in zip(range(4), dec.step([0, 1, 2, 3], greedy=False, filtered=filtered)):
+                out[s].append(t)
+        plain.append(out)
+    assert plain[0] == plain[1]
