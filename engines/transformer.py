@@ -341,8 +341,9 @@ class Attention(nn.Module):
                     k, v = k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
             else:
-                k = cache.k[layer, slots].to(q.dtype)  # [B, Hkv, S, D]
-                v = cache.v[layer, slots].to(q.dtype)
+                used = mask.shape[-1]  # the keys the mask spans (a prefix of the cache on the CPU)
+                k = cache.k[layer, slots, :, :used].to(q.dtype)  # [B, Hkv, S used, D]
+                v = cache.v[layer, slots, :, :used].to(q.dtype)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
@@ -475,7 +476,11 @@ class Transformer(nn.Module):
             if slots is None:
                 raise ConfigError("Transformer.forward: a cache needs slots")
             if not fresh:
-                mask = (cache.key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+                # On the CPU the positions are on the host, so the keys can stop at the last one in
+                # use: a decode step then gathers and attends over the used prefix of each slot,
+                # not its whole cache (on a GPU that read would be a sync: the mask spans it all).
+                used = int(pos.max()) + 1 if pos.device.type == "cpu" and pos.numel() else cache.max_seq_len
+                mask = (cache.key_pos[None, None, :used] <= pos[:, :, None])[:, None]  # [B, 1, T, S used]
         if fused:
             return self._layers_fused_norms(x, cos, sin, mask, cache, slots, pos)
         for i, layer in enumerate(self.layers):

@@ -150,6 +150,27 @@ def test_batch_rows_at_different_positions_equal_solo_runs() -> None:
     torch.testing.assert_close(step, torch.cat(solo, dim=0), rtol=1e-5, atol=1e-5)
 
 
+def test_cpu_decode_reads_only_the_used_prefix_of_the_cache() -> None:
+    """On the CPU a decode step gathers and attends over keys 0..max(pos) only, not the whole cache:
+    stale NaN past the used prefix (a reused slot, or a long cache) cannot reach the output, which
+    the full-length masked path let through its values (0 x NaN)."""
+    cfg_hf, hf = _hf_model("llama3")
+    ours = _ours(cfg_hf, hf)
+    torch.manual_seed(4)
+    seqs = [torch.randn(1, n + 1, 64) for n in (6, 9)]
+    cache = KVCache(ours.cfg, n_slots=2, max_seq_len=64)
+    slots = torch.tensor([1, 0])
+    with torch.no_grad():
+        want = torch.cat([ours(s, torch.arange(s.shape[1])[None])[:, -1] for s in seqs])
+        for i, s in enumerate(seqs):
+            n = s.shape[1] - 1
+            ours(s[:, :n], torch.arange(n)[None], cache=cache, slots=slots[i:i + 1])
+        cache.k[:, :, :, 10:] = float("nan")  # past both rows' positions (6 and 9)
+        cache.v[:, :, :, 10:] = float("nan")
+        step = ours(torch.cat([s[:, -1:] for s in seqs]), torch.tensor([[6], [9]]), cache=cache, slots=slots)[:, 0]
+    torch.testing.assert_close(step, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_cache_runs() -> None:
     cfg_hf, hf = _hf_model("qwen3")
     ours = _ours(cfg_hf, hf).to(torch.bfloat16)
