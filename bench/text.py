@@ -3,6 +3,7 @@
     python bench/text.py                          # Llama-3.2-1B shapes, bf16, CUDA (H200)
     python bench/text.py --small                  # tiny shapes, float32, CPU (< 2 min)
     python bench/text.py --batches 1 8 --steps 64 --no-hf
+    python bench/text.py --embedded               # the embedded SmolLM2-135M GGUF (real weights), CPU, float32
 
 Random weights (seeded), built with transformers' LlamaForCausalLM and written with
 ``save_pretrained``; our TextModel loads that folder, so both run the same weights. Every stream
@@ -194,6 +195,8 @@ def hf_tokens_per_s(hf, batch: int, prompt: int, steps: int, context: int) -> tu
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes in float32 on the CPU (smoke run)")
+    ap.add_argument("--embedded", action="store_true",
+                    help="the embedded SmolLM2-135M GGUF (real weights; HF loads the same file), CPU by default")
     ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --small)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--batches", type=int, nargs="+", default=None)
@@ -209,40 +212,47 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "text.json"))
     args = ap.parse_args()
 
-    small = args.small
-    device = torch.device(args.device or ("cpu" if small or not torch.cuda.is_available() else "cuda"))
-    dtype = getattr(torch, args.dtype or ("float32" if small or device.type == "cpu" else "bfloat16"))
-    batches = args.batches or ([1, 4, 8] if small else [1, 8, 32, 128])
-    steps = args.steps or (16 if small else 128)
+    small, embedded = args.small, args.embedded
+    cpu_run = small or embedded
+    device = torch.device(args.device or ("cpu" if cpu_run or not torch.cuda.is_available() else "cuda"))
+    dtype = getattr(torch, args.dtype or ("float32" if cpu_run or device.type == "cpu" else "bfloat16"))
+    batches = args.batches or ([1, 4, 8] if cpu_run else [1, 8, 32, 128])
+    steps = args.steps or (16 if small else 32 if embedded else 128)
     shapes = SMALL if small else LLAMA_3_2_1B
     context = args.context or args.prompt + steps + 8
     if context < args.prompt + steps + 4:
         ap.error("--context must hold the prompt and the steps")
-    if small:
+    if cpu_run and device.type == "cpu":
         torch.set_num_threads(min(torch.get_num_threads(), 2))
     graph_modes = [False] + ([True] if device.type == "cuda" and not args.no_graphs else [])
-    log(f"{'small' if small else 'Llama-3.2-1B'} shapes, {dtype}, {device}, batches {batches}, {steps} steps, "
-        f"context {context}")
+    label = "small" if small else "smollm2-135m-gguf" if embedded else "llama-3.2-1b"
+    log(f"{label}, {dtype}, {device}, batches {batches}, {steps} steps, context {context}")
 
     from transformers import LlamaForCausalLM
 
     from realtime.engines.llama import TextModel
 
-    results: dict = {"shapes": "small" if small else "llama-3.2-1b", "device": str(device), "dtype": str(dtype),
+    results: dict = {"shapes": label, "device": str(device), "dtype": str(dtype),
                      "prompt_tokens": args.prompt, "steps": steps, "context": context, "temperature": args.temperature,
                      "torch": torch.__version__, "python": platform.python_version(), "rows": []}
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(device)
-    bw = copy_bandwidth(device, 64 if small else 2048)
+    bw = copy_bandwidth(device, 64 if cpu_run else 2048)
     results["copy_bandwidth_GBps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.1f} GB/s")
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"
         t0 = time.perf_counter()
-        build_checkpoint(shapes, folder, dtype, device)
-        ours = TextModel.from_pretrained(folder, device=device, dtype=dtype)
-        log(f"built and loaded random-weight checkpoint in {time.perf_counter() - t0:.1f}s")
+        if embedded:
+            from realtime.engines.llama import default_gguf_path
+
+            ours = TextModel.from_pretrained(None, device=device, dtype=dtype)
+            log(f"loaded the embedded GGUF in {time.perf_counter() - t0:.1f}s")
+        else:
+            build_checkpoint(shapes, folder, dtype, device)
+            ours = TextModel.from_pretrained(folder, device=device, dtype=dtype)
+            log(f"built and loaded random-weight checkpoint in {time.perf_counter() - t0:.1f}s")
         elt = torch.tensor([], dtype=dtype).element_size()
         n_transformer = sum(p.numel() for p in ours.transformer.parameters())
         head = ours.vocab_size * ours.config.dim
@@ -271,7 +281,12 @@ def main() -> int:
         ours_tf = ours_teacher_forced(ours, probe, split)
         del ours
         if not args.no_hf:
-            hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+            if embedded:  # transformers' own GGUF loading of the same file
+                gguf = default_gguf_path()
+                hf = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+                hf = hf.to(device).eval()
+            else:
+                hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
             # Parity with no divergence cascade: teacher-forced, the same true tokens into both.
             with torch.inference_mode():
                 ref = hf(torch.tensor([probe], device=device)).logits[0, split - 1:].float().cpu()
