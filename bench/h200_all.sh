@@ -5,7 +5,8 @@
 #    cache) on the same random-weight checkpoint, Mimi decode, prefill, and a kernel profile.
 # 2. bench/tts.py: the real server on loopback. TTFA for three prompts, then an open-loop concurrency
 #    sweep of 1..256 streams (underruns, GC pauses). It writes a JSON and the PNG plot.
-# 3. bench/text.py: Llama-3.2-1B shapes, batch 1/8/32/128, read-each-step and pipelined, next to HF.
+# 3. bench/text.py: Llama-3.2-1B shapes, batch 1/8/32/128, read-each-step and pipelined, next to HF;
+#    then sampled decoding (temperature 1, the API default) at batch 1/8/128.
 # COMMIT labels the results: pass the hash from the machine that sent the tree. The device copy's
 # own git may name another commit. OUT_DIR defaults to $OUT (the device tool's folder) or
 # bench/results/run. Besides the summary printed here, everything goes into one results.tgz, because
@@ -33,6 +34,11 @@ grep -v "INFO\|Loading" "$work/tts.log" | tail -16
 echo "== text decode"
 timeout 120 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
 grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity" | tail -20
+
+echo "== text decode, sampled (temperature 1, no top-k/top-p: the API default)"
+timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --out "$work/text_h200_sampled.json" \
+  > "$work/text_sampled.log" 2>&1
+grep "^ours" "$work/text_sampled.log"
 
 tar czf "$out/results.tgz" -C "$work" .
 echo "wrote $out/results.tgz ($(ls "$work" | tr '\n' ' '))"

@@ -189,10 +189,14 @@ def test_pipelined_decode_lane_gives_the_same_replies(live) -> None:  # noqa: AN
     assert lane.dropped > dropped0  # the stop-string reply's extra token
 
 
-def test_cancel_frees_the_slot_and_the_connection_goes_on(live) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_cancel_frees_the_slot_and_the_connection_goes_on(live, pipelined) -> None:  # noqa: ANN001
+    """Cancel mid-reply: the slot comes back, the connection takes the next request. Pipelined too
+    (the CUDA default), where the cancelled reply may still have a step in flight on its slot."""
     url = f"{live.ws}/v1/text"
     sched = live.state.scheduler
     free0 = live.svc.prefill_lane.pool.available()
+    lane = live.svc.decode_lane
 
     async def go():  # noqa: ANN202
         async with websockets.connect(url) as ws:
@@ -219,7 +223,11 @@ def test_cancel_frees_the_slot_and_the_connection_goes_on(live) -> None:  # noqa
                 parts.append(msg["text"])
             assert msg["finish_reason"] == "length" and "".join(parts) == "The capital of"
 
-    _run(go())
+    lane.pipelined = pipelined
+    try:
+        _run(go())
+    finally:
+        lane.pipelined = False
 
 
 def test_bad_input_errors(live) -> None:  # noqa: ANN001
