@@ -101,11 +101,18 @@ def sample(
     temp = temperature.to(device=dev, dtype=torch.float32)
     greedy_row = temp <= 0
     scaled = lg / torch.where(greedy_row, torch.ones_like(temp), temp)[:, None]
-    if not filtered:  # every token kept: Gumbel-max over the whole row
-        u = uniform_noise(seeds.to(dev), steps.to(dev), v)
-        gumbel = -torch.log(-torch.log(u))
-        return torch.where(greedy_row, greedy(lg), greedy(scaled + gumbel))
+    u = uniform_noise(seeds.to(dev), steps.to(dev), v)
+    gumbel = -torch.log(-torch.log(u))
+    noisy = scaled + gumbel
+    if filtered:  # (without top-k/top-p every token is kept: no sort)
+        noisy = noisy.masked_fill(~_keep(scaled, top_k, top_p), float("-inf"))
+    return torch.where(greedy_row, greedy(lg), greedy(noisy))
 
+
+def _keep(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The tokens top-k, then top-p over the renormalised top-k set, keep: scaled [B, V] -> bool [B, V]."""
+    v = scaled.shape[1]
+    dev = scaled.device
     sorted_lg, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(v, device=dev)[None, :]
     k = top_k.to(device=dev, dtype=torch.long)
@@ -118,10 +125,4 @@ def sample(
     before = probs.cumsum(dim=-1) - probs
     p = top_p.to(device=dev, dtype=torch.float32)
     keep_sorted = keep_sorted & ((before < p[:, None]) | (p[:, None] >= 1.0) | (rank == 0))
-    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
-
-    u = uniform_noise(seeds.to(dev), steps.to(dev), v)
-    gumbel = -torch.log(-torch.log(u))
-    noisy = (scaled + gumbel).masked_fill(~keep, float("-inf"))
-    sampled = greedy(noisy)  # (the two-stage argmax on CUDA; these rows are vocabulary-wide)
-    return torch.where(greedy_row, greedy(lg), sampled)
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)

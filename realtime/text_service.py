@@ -518,7 +518,7 @@ class TextDecodeLane(Lane):
         if step:
             step.sort(key=lambda j: j.slot)  # a stable slot order keeps the device slot list cached
             greedy = all(j.params.temperature <= 0 for j in step)
-            filtered = any(j.params.top_k > 0 or j.params.top_p < 1.0 for j in step)
+            filtered = any(j.params.filtered for j in step)
             cur = (step, eng.launch([j.slot for j in step], greedy=greedy, filtered=filtered))
         if self.pipelined:
             self._inflight, self._inflight_jobs = cur, frozenset(step)
@@ -976,7 +976,7 @@ def _local_turn(args: argparse.Namespace) -> Callable[[list, dict], tuple[str, d
             print(s, end="", flush=True)
             if n >= limit:
                 break
-            t = eng.step([0], greedy=p.temperature <= 0, filtered=p.top_k > 0 or p.top_p < 1.0)[0]
+            t = eng.step([0], greedy=p.temperature <= 0, filtered=p.filtered)[0]
             n += 1
         tail = dec.flush()
         parts.append(tail)

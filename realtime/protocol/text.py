@@ -45,6 +45,11 @@ class GenParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None: the server picks one
 
+    @property
+    def filtered(self) -> bool:
+        """Does top-k or top-p narrow the vocabulary (the sampler must sort it)?"""
+        return self.top_k > 0 or self.top_p < 1.0
+
 
 @dataclass(frozen=True)
 class Request:
