@@ -113,17 +113,16 @@ def pdl_jit():
 def graph_time(fns: list, rounds: int = 5) -> float:
     """Median seconds per call of the ``fns`` replayed in turn inside one CUDA graph (no launch gaps),
     on the current device. The first two run eagerly first (compilation stays out of the graph)."""
+    from realtime.cuda_graphs import capture
+
     for fn in fns[:2]:
         fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fns[0]()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def run() -> None:
         for fn in fns:
             fn()
+
+    graph, _ = capture(run, None, warmups=1)
     graph.replay()
     times = []
     for _ in range(rounds):

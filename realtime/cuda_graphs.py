@@ -18,18 +18,21 @@ log = logging.getLogger("realtime.cuda_graphs")
 
 
 @torch.no_grad()
-def capture(run: Callable[[], object], pool, warmups: int = 2):  # noqa: ANN001, ANN201
-    """CUDA graph of ``run()`` in memory ``pool`` -> (graph, run's static output). The warm-up runs
-    (on a side stream, as capture requires) compile kernels and allocate workspaces outside the
-    graph; callers point the static inputs at padding (a scratch slot), so they touch no session."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+def capture(run: Callable[[], object], pool=None, warmups: int = 2, device=None,  # noqa: ANN001, ANN201
+            error_mode: str = "global"):
+    """CUDA graph of ``run()`` in memory ``pool`` (None: a pool of its own) -> (graph, run's static
+    output). The warm-up runs (on a side stream, as capture requires) compile kernels and allocate
+    workspaces outside the graph; callers point the static inputs at padding (a scratch slot), so
+    they touch no session. ``error_mode`` is torch's capture_error_mode ("thread_local" lets other
+    threads keep using CUDA while this one captures)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(warmups):
             run()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
         out = run()
     return graph, out
 

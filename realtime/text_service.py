@@ -110,6 +110,7 @@ class BatchDecoder:
         self._idx: torch.Tensor | None = None
         self._graphs: dict[tuple[int, str], tuple[Any, torch.Tensor, torch.Tensor]] = {}  # (bucket, mode)
         self._host: list[torch.Tensor] | None = None  # two pinned token buffers (launch/result)
+        self._events: list[Any] = []  # one CUDA event per pinned buffer, recorded again at each use
         self._next_host = 0
         self._host_owner: list[StepResult | None] = [None, None]
         self._graph_idx: dict[tuple[int, str], tuple[int, ...]] = {}  # rows last copied into each graph's idx_buf
@@ -192,13 +193,14 @@ class BatchDecoder:
         if self._host is None:
             cap = max(BUCKETS[-1], self.n_slots + 1)
             self._host = [torch.empty(cap, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]
         i = self._next_host
         self._next_host ^= 1
-        if self._host_owner[i] is not None:  # still unread: read it before its buffer is reused
+        if self._host_owner[i] is not None:  # still unread: read it before its buffer and event are reused
             self._host_owner[i].result()
         buf = self._host[i]
         buf[:n].copy_(out[:n], non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._events[i]
         event.record()
         res = StepResult(host=buf, event=event, n=n)
         self._host_owner[i] = res
@@ -232,21 +234,19 @@ class BatchDecoder:
 
     def _capture(self, size: int, mode: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Capture one step for a static slot buffer of ``size`` rows (warm-up runs on the scratch slot)."""
+        from realtime.cuda_graphs import capture
+
         idx_buf = torch.full((size,), self.scratch, dtype=torch.long, device=self.device)
         saved = [t[self.scratch].clone() for t in (self.tok, self.pos, self.step_no)]
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._eager(idx_buf, mode)
-                self._reset_scratch()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # Each graph keeps its own memory pool: simpler to reason about than a shared one, and the
-        # intermediates of one step are small next to the weights and the KV cache.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+
+        def step() -> torch.Tensor:
             out = self._eager(idx_buf, mode)
             self._reset_scratch()
+            return out
+
+        # Each graph keeps its own memory pool: simpler to reason about than a shared one, and the
+        # intermediates of one step are small next to the weights and the KV cache.
+        graph, out = capture(step, None, warmups=2, device=self.device, error_mode="thread_local")
         for t, v in zip((self.tok, self.pos, self.step_no), saved, strict=True):
             t[self.scratch] = v
         self._graphs[(size, mode)] = (graph, idx_buf, out)

@@ -375,22 +375,8 @@ class CSMBackend(TTSBackend):
         return out.numpy()
 
     def _decode_subset(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """Gather the slots' decoder state, step it, scatter it back (graph-capturable)."""
-        from realtime.codecs.mimi import KVState
-
-        dec = self.decoder
-        sub = object.__new__(type(dec))
-        sub.mimi, sub.batch_size = dec.mimi, len(idx)
-        sub.upsample_tail = dec.upsample_tail[idx]
-        sub.convs = [c[idx] for c in dec.convs]
-        sub.kv = KVState(dec.kv.k[:, idx], dec.kv.v[:, idx], dec.kv.kv_pos[idx], dec.kv.pos[idx])
-        out = sub.step(codes)
-        dec.upsample_tail[idx] = sub.upsample_tail
-        for full, part in zip(dec.convs, sub.convs, strict=True):
-            full[idx] = part
-        dec.kv.k[:, idx], dec.kv.v[:, idx] = sub.kv.k, sub.kv.v
-        dec.kv.kv_pos[idx], dec.kv.pos[idx] = sub.kv.kv_pos, sub.kv.pos
-        return out
+        """The slots' decoder step: their state gathered, stepped and written back (graph-capturable)."""
+        return self.decoder.step(codes, slots=idx)
 
     def encode_reference(self, wav: bytes) -> torch.Tensor:
         """A WAV file's bytes → Mimi codes [F, K] (mono, resampled to 24 kHz)."""

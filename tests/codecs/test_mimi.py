@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import CsmConfig, CsmForConditionalGeneration, MimiModel
 from transformers import MimiConfig as HFMimiConfig
 
-from realtime.codecs.mimi import Mimi, MimiConfig
+from realtime.codecs.mimi import CausalConv1d, CausalConvTranspose1d, Mimi, MimiConfig
 from realtime.errors import ModelFormatError
 
 TINY = dict(
@@ -111,8 +111,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> float:
     return diff
 
 
-def _stream_decode(mimi: Mimi, codes: torch.Tensor, chunk: int) -> torch.Tensor:
-    dec = mimi.streaming_decoder(codes.shape[0])
+def _stream_decode(mimi: Mimi, codes: torch.Tensor, chunk: int, channels_last: bool | None = None) -> torch.Tensor:
+    dec = mimi.streaming_decoder(codes.shape[0], channels_last)
     outs = []
     for i in range(0, codes.shape[-1], chunk):
         step = codes[:, :, i: i + chunk]
@@ -188,6 +188,49 @@ def test_streaming_decode_batch_with_reset(ours, first):
     _close(new, ours.decode(c[:, :, : new.shape[-1] // fs]))
     # State lives in fixed buffers written in place: nothing was reallocated by step() or reset().
     assert [t.data_ptr() for t in buffers] == ptrs
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streaming_decode_channels_last_equals_offline(ours, chunk, monkeypatch):
+    # The CUDA default: the SEANet decoder on channels-last 4-D activations (so cuDNN does not transpose
+    # them). Same samples as offline, and every conv of the step really sees channels-last input and
+    # weight; one NCW operand would make cuDNN transpose again, which is the cost this layout removes.
+    seen = []
+    for name in ("conv2d", "conv_transpose2d"):
+        orig = getattr(torch.nn.functional, name)
+
+        def spy(x, w, *a, _orig=orig, **kw):
+            seen.append(all(t.is_contiguous(memory_format=torch.channels_last) for t in (x, w)))
+            return _orig(x, w, *a, **kw)
+
+        monkeypatch.setattr(torch.nn.functional, name, spy)
+    codes = _codes(1)
+    _close(_stream_decode(ours, codes, chunk, channels_last=True), ours.decode(codes))
+    n_convs = sum(isinstance(m, (CausalConv1d, CausalConvTranspose1d)) for m in ours.decoder.modules())
+    assert len(seen) == n_convs * -(-T // chunk) and all(seen)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_streaming_decode_of_slot_subsets(ours, channels_last):
+    # The server steps only the slots with a frame ready: step(codes, slots) gathers their state,
+    # steps it and writes it back. Streams A (slot 2) and B (slot 0) advance together, C (slot 3)
+    # on its own at every third frame; slot 1 is never stepped and its state must stay as reset.
+    a, b, c = _codes(20, b=1), _codes(21, b=1), _codes(22, b=1)
+    dec = ours.streaming_decoder(4, channels_last)
+    before = (dec.state[1].clone(), dec.kv.kv[:, :, 1].clone(), dec.kv.kp[1].clone())
+    out_a, out_b, out_c, jc = [], [], [], 0
+    for i in range(T):
+        y = dec.step(torch.cat([a[:, :, i: i + 1], b[:, :, i: i + 1]]), slots=torch.tensor([2, 0]))
+        out_a.append(y[0:1]); out_b.append(y[1:2])
+        if i % 3 == 0:
+            out_c.append(dec.step(c[:, :, jc: jc + 1], slots=torch.tensor([3])))
+            jc += 1
+    _close(torch.cat(out_a, -1), ours.decode(a))
+    _close(torch.cat(out_b, -1), ours.decode(b))
+    _close(torch.cat(out_c, -1), ours.decode(c[:, :, :jc]))
+    after = (dec.state[1], dec.kv.kv[:, :, 1], dec.kv.kp[1])
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert dec.state[3].abs().sum() > 0 and int(dec.kv.pos[3]) == 2 * jc
 
 
 # 3. encoder == HF, streaming encode == offline encode ---------------------------------------------
@@ -319,7 +362,7 @@ def test_default_config_facts():
     y = dec.step(codes)
     print(f"default Mimi streaming decode: {(time.perf_counter() - t0) * 1e3:.1f} ms/frame (CPU)")
     assert y.shape == (1, 1, 1920)
-    assert dec.kv.k.shape[3] == 249  # KV ring of W - 1 past tokens
+    assert dec.kv.k.shape[3] == 251  # KV ring: W - 1 past tokens + one frame's 2 new ones
 
 
 # bf16 and CUDA -----------------------------------------------------------------------------------
