@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -489,6 +490,21 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.h * self.d))
 
 
+    def attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
+                    kpos: torch.Tensor, window: int) -> torch.Tensor:
+        """``attend`` over a KV ring by positions: q [B, H, n, D] at qpos [B, n], k/v [B, Hkv, C, D]
+        at kpos [B, C] (-1 empty); a query sees keys 0 <= qpos - kpos < window -> [B, n, C_out]. On
+        CUDA one Triton kernel (``kernels.window_attention``), which writes the layout o_proj reads."""
+        if use_kernels() and q.is_cuda:
+            from realtime.kernels.window_attention import window_attention
+
+            o = window_attention(q, k, v, qpos, kpos, window, self.scale)  # [B, n, H, D]
+            b, t = o.shape[:2]
+            return self.o_proj(o.reshape(b, t, self.h * self.d))
+        diff = qpos[:, :, None] - kpos[:, None, :]
+        return self.attend(q, k, v, ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < window))[:, None])
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: MimiConfig) -> None:
         super().__init__()
@@ -611,11 +627,10 @@ class Transformer(nn.Module):
         ring = qpos[:, n - keep:] % cw
         if first:
             st.kv_pos.scatter_(1, ring, qpos[:, n - keep:])
-            kpos = st.kv_pos
         else:
             kpos = torch.cat([st.kv_pos, qpos], dim=1)  # [B, Cw + n]
-        diff = qpos[:, :, None] - kpos[:, None, :]
-        mask = ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < self.window))[:, None]
+            diff = qpos[:, :, None] - kpos[:, None, :]
+            mask = ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < self.window))[:, None]
         idx = ring[:, None, :, None].expand(b, self.cfg.num_kv_heads, keep, self.cfg.head_dim)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
@@ -623,7 +638,7 @@ class Transformer(nn.Module):
             if first:
                 kc.scatter_(2, idx, k)
                 vc.scatter_(2, idx, v)
-                a = layer.self_attn.attend(q, kc, vc, mask)
+                a = layer.self_attn.attend_ring(q, kc, vc, qpos, st.kv_pos, self.window)
             else:
                 a = layer.self_attn.attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
                 kc.scatter_(2, idx, k[:, :, n - keep:])
@@ -932,9 +947,11 @@ class MimiStreamingDecoder:
 
     Layout: the conv states are views of one [B, total] buffer and the KV ring is two tensors, so
     ``step(codes, slots)`` (a batch of some slots, as the server runs it) gathers and writes back a
-    slot's whole state in three kernels each. With ``channels_last`` (the default on CUDA) the SEANet
-    decoder runs on channels-last 4-D activations [B, C, 1, T], which cuDNN convolves without layout
-    transposes; on the CPU the plain [B, C, T] path stays.
+    slot's whole state in three kernels each. With ``channels_last`` (the default on CUDA in bf16 and
+    fp16) the SEANet decoder runs on channels-last 4-D activations [B, C, 1, T], which cuDNN
+    convolves without layout transposes. On the CPU, and in float32 (the parity mode), the plain
+    [B, C, T] path stays: there cuDNN's TF32 convs pick their algorithm by batch size in either
+    layout, and a graphed bucket would not equal an eager step to float32 precision.
     """
 
     def __init__(self, mimi: Mimi, batch_size: int, channels_last: bool | None = None) -> None:
@@ -944,7 +961,10 @@ class MimiStreamingDecoder:
         self.batch_size = batch_size
         w = mimi.decoder.layers[0].conv.weight
         dev, dt = w.device, w.dtype
-        self.channels_last = dev.type == "cuda" if channels_last is None else bool(channels_last)
+        if channels_last is None:  # REALTIME_MIMI_CHANNELS_LAST=0/1 overrides the default (for A/B runs)
+            env = os.environ.get("REALTIME_MIMI_CHANNELS_LAST", "").strip()
+            channels_last = env != "0" if env else dev.type == "cuda" and dt in (torch.bfloat16, torch.float16)
+        self.channels_last = bool(channels_last)
         conv_shapes = mimi.decoder.state_shapes()
         self._shapes = [mimi.upsample.state_shape(), *conv_shapes]
         self._layouts = [False] + [self.channels_last] * len(conv_shapes)  # the upsample runs before the transformer

@@ -34,6 +34,7 @@ from realtime.kernels.decode_attention import decode_attention, decode_attention
 from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
 from realtime.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cache_write, rotary_cache_write_ref  # noqa: E402
 from realtime.kernels.sampling import sample, sample_ref  # noqa: E402
+from realtime.kernels.window_attention import window_attention, window_attention_ref  # noqa: E402
 
 # (rtol, atol) per dtype. bf16 has an 8-bit mantissa: 1 ulp is 2**-7 relative; the CPU
 # interpreter's truncating casts can add up to ~2 more ulps through a chain of roundings.
@@ -296,6 +297,43 @@ def test_decode_attention_on_engine_cache_layout(cpu_kernels):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+# (B, H, Hkv, n queries, ring C, D, window, next positions per row)
+WIN_CASES = [
+    (2, 4, 2, 2, 7, 16, 5, [0, 40]),  # a fresh row (ring empty but for its own keys), GQA
+    (3, 8, 8, 2, 251, 64, 250, [3, 250, 1000]),  # Mimi's shapes: the window spans the ring but 1 slot
+    (1, 2, 1, 3, 70, 32, 20, [500]),  # more keys than one block, window well inside the ring
+]
+
+
+def _win_inputs(b, h, hkv, n, c, d, positions, dtype, device="cpu", seed=0):
+    """A ring as Mimi's transformer leaves it after writing this step's keys: position p at slot p % C."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, h, d, generator=g).to(device, dtype).transpose(1, 2)  # [B, H, n, D], strided
+    k = torch.randn(b, hkv, c, d, generator=g).to(device, dtype)
+    v = torch.randn(b, hkv, c, d, generator=g).to(device, dtype)
+    qpos = torch.tensor(positions)[:, None] + torch.arange(n)
+    kpos = torch.full((b, c), -1, dtype=torch.long)
+    for row, p in enumerate(positions):
+        for pos in range(max(0, p + n - c), p + n):
+            kpos[row, pos % c] = pos
+    return q, k, v, qpos.to(device), kpos.to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", WIN_CASES)
+def test_window_attention(cpu_kernels, case, dtype):
+    b, h, hkv, n, c, d, window, positions = case
+    q, k, v, qpos, kpos = _win_inputs(b, h, hkv, n, c, d, positions, dtype)
+    out = window_attention(q, k, v, qpos, kpos, window, 0.2)
+    assert out.shape == (b, n, h, d) and out.dtype == dtype
+    want = window_attention_ref(q.float(), k.float(), v.float(), qpos, kpos, window, 0.2)
+    _close(out, want, dtype)
+    # The mask is what decides: a key moved out of the window changes the result.
+    kpos2 = kpos.clone()
+    kpos2[kpos == qpos[:, :1]] = -1  # hide each row's first query's own key
+    assert not torch.allclose(window_attention(q, k, v, qpos, kpos2, window, 0.2).float(), out.float())
+
+
 def test_decode_attention_never_reads_past_length(cpu_kernels):
     """Stale NaN/inf beyond a row's length (or in other slots) cannot reach the output."""
     q, kc, vc, slots = _att_inputs(2, 4, 2, 3, 130, 32, torch.float32)
@@ -433,7 +471,7 @@ _AOT = r"""
 import triton, triton.language as tl
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from realtime.kernels import decode_attention, gemv, rmsnorm, rotary, sampling
+from realtime.kernels import decode_attention, gemv, rmsnorm, rotary, sampling, window_attention
 
 def comp(fn, sig, consts, warps):
     consts = {"PDL": True, **consts}  # with the griddepcontrol wait/launch the GPU path uses on sm90
@@ -470,6 +508,10 @@ for dt in ("bf16", "fp32"):
          dict(H=8, G=4, D=64, CHUNK=64, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
               DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
               DIRECT=True), 4)
+    comp(window_attention._kernel(), dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", qpos_ptr="*i64",
+         kpos_ptr="*i64", o_ptr=f"*{dt}", qk_scale="fp32"),
+         dict(H=8, G=1, NQ=2, D=64, BLOCK_R=16, BLOCK_D=64, BLOCK_N=64, N_BLOCKS=4,
+              DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee"), 4)
     comp(merge, dict(acc_ptr="*fp32", ml_ptr="*fp32", o_ptr=f"*{dt}"), dict(D=64, NUM_SPLITS=16, BLOCK_SPLITS=16, BLOCK_D=64), 4)
     big, small = sampling._kernels()
     sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
@@ -561,6 +603,20 @@ def test_gpu_decode_attention(dtype):
     print(f"\ndecode_attention {dtype} B=8 H=32 Hkv=8 Tmax=2048: kernel "
           f"{_time_us(lambda: decode_attention(q, kc, vc, slots, lengths, 0.125)):.1f} us, "
           f"ref {_time_us(lambda: decode_attention_ref(q, kc, vc, slots, lengths, 0.125)):.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_window_attention(dtype):
+    for b, h, hkv, n, c, d, window, positions in WIN_CASES + [(8, 8, 8, 2, 251, 64, 250, list(range(0, 4000, 500)))]:
+        q, k, v, qpos, kpos = _win_inputs(b, h, hkv, n, c, d, positions, dtype, "cuda")
+        out = window_attention(q, k, v, qpos, kpos, window, 0.125)
+        _close(out, window_attention_ref(q.float(), k.float(), v.float(), qpos, kpos, window, 0.125), dtype)
+    eager, replay = _graph(lambda: window_attention(q, k, v, qpos, kpos, window, 0.125))
+    assert torch.equal(eager, replay)
+    print(f"\nwindow_attention {dtype} B=8 H=8 n=2 C=251: kernel "
+          f"{_time_us(lambda: window_attention(q, k, v, qpos, kpos, window, 0.125)):.1f} us, "
+          f"ref {_time_us(lambda: window_attention_ref(q, k, v, qpos, kpos, window, 0.125)):.1f} us")
 
 
 @pytest.mark.gpu
