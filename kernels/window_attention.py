@@ -62,7 +62,7 @@ def _kernel():
         NQ: tl.constexpr,
         D: tl.constexpr,
         BLOCK_R: tl.constexpr,  # >= G * NQ rows (query head g, query token t) -> r = g * NQ + t
-        BLOCK_D: tl.constexpr,
+        BLOCK_D: tl.constexpr,  # >= D and >= 16 (tl.dot's minimum; the padding lanes load zeros)
         BLOCK_N: tl.constexpr,
         N_BLOCKS: tl.constexpr,  # cdiv(C, BLOCK_N)
         DOT_DTYPE: tl.constexpr,
@@ -128,7 +128,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor
     b, h, nq, d = q.shape
     _, hkv, c, dk = k.shape
     check(k.shape[0] == b and dk == d and h % hkv == 0, f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
-    check(16 <= d <= 256, f"head dim must be in [16, 256], got {d}")
+    check(1 <= d <= 256, f"head dim must be in [1, 256], got {d}")
     check(q.dtype in (torch.float32, torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, "q, k, v must share a float dtype")
     check(qpos.shape == (b, nq) and kpos.shape == (b, c), f"qpos must be [B, n] and kpos [B, C], got {tuple(qpos.shape)}, {tuple(kpos.shape)}")
     check(qpos.dtype == kpos.dtype == torch.long, "positions must be int64")
@@ -150,7 +150,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor
         v.stride(0), v.stride(1), v.stride(2),
         qpos.stride(0), kpos.stride(0),
         H=h, G=g, NQ=nq, D=d, BLOCK_R=max(16, triton.next_power_of_2(g * nq)),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=_BLOCK_N, N_BLOCKS=triton.cdiv(c, _BLOCK_N),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=_BLOCK_N, N_BLOCKS=triton.cdiv(c, _BLOCK_N),
         DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4,
         **pdl_launch(q),
     )

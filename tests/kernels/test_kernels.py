@@ -302,6 +302,7 @@ WIN_CASES = [
     (2, 4, 2, 2, 7, 16, 5, [0, 40]),  # a fresh row (ring empty but for its own keys), GQA
     (3, 8, 8, 2, 251, 64, 250, [3, 250, 1000]),  # Mimi's shapes: the window spans the ring but 1 slot
     (1, 2, 1, 3, 70, 32, 20, [500]),  # more keys than one block, window well inside the ring
+    (2, 4, 4, 2, 6, 8, 5, [1, 9]),  # head dim 8 (the tiny test Mimi): padded to tl.dot's 16
 ]
 
 
