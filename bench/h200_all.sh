@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speech and text benchmarks of BENCHMARKS.md in one device call (~6 min on one H200):
+# The speech and text benchmarks of BENCHMARKS.md in one device call (~6-8 min on one H200; the HF static-cache generate alone took 67 s once):
 #   bash bench/h200_all.sh COMMIT [OUT_DIR]
 # 1. bench/csm_engine.py: CSM-1B frames/s at batch 1/8/64 next to HF transformers (eager, static
 #    cache) on the same random-weight checkpoint, Mimi decode, prefill, and a kernel profile.
@@ -20,7 +20,7 @@ source bench/h200_env.sh
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 
 echo "== CSM engine (builds a random CSM-1B in /tmp/csm1b on first use)"
-timeout 200 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 8 64 --variants graphed_kernels \
+timeout 300 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 8 64 --variants graphed_kernels \
   --frames 48 --out "$work/csm_engine_h200.json" > "$work/csm_engine.log" 2>&1
 grep "^\[" "$work/csm_engine.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|Mimi\|HF" | cut -c1-170
 

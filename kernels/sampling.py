@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ._triton import check, graph_time, pdl_jit, pdl_launch, use_triton
 
-__all__ = ["sample", "sample_ref", "choices"]
+__all__ = ["sample", "sample_ref", "choices", "gumbel_argmax", "gumbel_argmax_ref"]
 
 _BLOCK_V = 2048  # vocab entries per inner step
 _SMALL_V = 8192  # rows up to this size are held in registers by the small-vocabulary kernel (< 2**16)
@@ -44,7 +44,7 @@ def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor
 @functools.cache
 def _kernels():
     # The jit'd functions resolve `tl`, `libdevice` and the helper through module globals.
-    global triton, tl, libdevice, _hash32, _row_setup, _gumbel, _pdl_enter
+    global triton, tl, libdevice, _hash32, _row_key, _row_setup, _gumbel, _pdl_enter
     import triton
     import triton.language as tl
     _pdl_enter = pdl_jit()
@@ -61,21 +61,25 @@ def _kernels():
         return x
 
     @triton.jit
-    def _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V):
-        # Per-row parameters and the row key of the noise: the 64-bit seed and step folded in, each
-        # fold re-hashed (as the engine does).
-        temp = tl.load(temp_ptr + row)
-        greedy = temp <= 0
-        temp = tl.where(greedy, 1.0, temp)
-        k = tl.load(topk_ptr + row)
-        topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
+    def _row_key(seed_ptr, step_ptr, row):
+        # The row key of the noise: the 64-bit seed and step folded in, each fold re-hashed (as the
+        # engine does).
         seed = tl.load(seed_ptr + row)
         step = tl.load(step_ptr + row)
         key = _hash32((seed & 0xFFFFFFFF).to(tl.uint32))
         key = _hash32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
         key = _hash32(key ^ (step & 0xFFFFFFFF).to(tl.uint32))
-        key = _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
-        return temp, greedy, k, topk_on, key
+        return _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
+
+    @triton.jit
+    def _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V):
+        # Per-row parameters and the row key of the noise.
+        temp = tl.load(temp_ptr + row)
+        greedy = temp <= 0
+        temp = tl.where(greedy, 1.0, temp)
+        k = tl.load(topk_ptr + row)
+        topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
+        return temp, greedy, k, topk_on, _row_key(seed_ptr, step_ptr, row)
 
     @triton.jit
     def _gumbel(key, idx, LIBDEVICE_LOG: tl.constexpr):
@@ -213,6 +217,86 @@ def _kernels():
         tl.store(out_ptr + row, tl.argmax(val, 0).to(tl.int64))
 
     return _sample_kernel, _sample_small_kernel
+
+
+def gumbel_argmax_ref(logits: Tensor, temperature: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
+    """PyTorch reference: the engine sampler with top-k and top-p off. logits [B, V] -> tokens [B] long."""
+    from realtime.engines.sampling import sample as engine_sample
+
+    b = logits.shape[0]
+    off_k = torch.zeros(b, device=logits.device, dtype=torch.long)
+    off_p = torch.ones(b, device=logits.device, dtype=torch.float32)
+    return engine_sample(logits, temperature, off_k, off_p, seeds, steps, filtered=False)
+
+
+@functools.cache
+def _chunk_kernel():
+    _kernels()  # the shared jit helpers (_row_setup, _gumbel, _pdl_enter) into the module globals
+
+    @triton.jit
+    def _gumbel_chunk_kernel(
+        logits_ptr,  # *logits [B, V] (any float dtype), row stride stride_l, unit column stride
+        temp_ptr,  # *temperature [B] float32 (<= 0: greedy)
+        seed_ptr,  # *seeds [B] int64
+        step_ptr,  # *steps [B] int64
+        val_ptr,  # *[B, C] float32 output: the chunk's largest (noisy) value
+        idx_ptr,  # *[B, C] int64 output: the first vocab index holding it
+        V,
+        stride_l,
+        C,
+        BLOCK_V: tl.constexpr,
+        LIBDEVICE_LOG: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        _pdl_enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        temp = tl.load(temp_ptr + row)  # (no top-k here: _row_setup's other half is not needed)
+        greedy = temp <= 0
+        temp = tl.where(greedy, 1.0, temp)
+        key = _row_key(seed_ptr, step_ptr, row)
+        idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+        valid = idx < V
+        x = tl.math.div_rn(tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0).to(tl.float32), temp)
+        val = tl.where(greedy, x, x + _gumbel(key, idx, LIBDEVICE_LOG))
+        val = tl.where(valid, val, float("-inf"))
+        tl.store(val_ptr + row * C + chunk, tl.max(val, 0))
+        tl.store(idx_ptr + row * C + chunk, tl.argmax(val, 0).to(tl.int64) + chunk * BLOCK_V)
+
+    return _gumbel_chunk_kernel
+
+
+def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
+    """logits [B, V]; temperature [B] (<= 0: greedy); seeds, steps [B] -> tokens [B] long.
+
+    = ``realtime.engines.sampling.sample(..., top_k off, top_p off, filtered=False)``, the text API's
+    default sampling (temperature only), for wide rows: the row is cut into chunks of BLOCK_V, one
+    program each computes the chunk's noisy values (the same hash noise and Gumbel transform as
+    ``sample``) and its largest with the first index; two small torch ops pick the first chunk
+    holding the row's largest. ``sample`` gives a row one program, which took 160 µs for one
+    128,256-token row on the H200; this spreads the row over ~63 programs.
+    """
+    if not use_triton("gumbel_argmax", logits, temperature, seeds, steps):
+        return gumbel_argmax_ref(logits, temperature, seeds, steps)
+    check(logits.dim() == 2 and logits.is_floating_point(), f"logits must be float [B, V], got {logits.dtype} {tuple(logits.shape)}")
+    b, v = logits.shape
+    for name, t in (("temperature", temperature), ("seeds", seeds), ("steps", steps)):
+        check(t.shape == (b,), f"{name} must be [B={b}], got {tuple(t.shape)}")
+    check(logits.stride(-1) == 1, "logits must have a unit stride over V")
+    check(0 < v < 2**31 - _BLOCK_V, f"V must be in [1, 2**31), got {v}")
+    kernel = _chunk_kernel()
+    if b == 0:
+        return torch.empty(0, device=logits.device, dtype=torch.long)
+    c = triton.cdiv(v, _BLOCK_V)
+    vals = torch.empty((b, c), device=logits.device, dtype=torch.float32)
+    idxs = torch.empty((b, c), device=logits.device, dtype=torch.long)
+    kernel[(b, c)](
+        logits, temperature.to(dtype=torch.float32).contiguous(), seeds.to(dtype=torch.long).contiguous(),
+        steps.to(dtype=torch.long).contiguous(), vals, idxs, v, logits.stride(0), c,
+        BLOCK_V=_BLOCK_V, LIBDEVICE_LOG=logits.is_cuda, num_warps=4, **pdl_launch(logits),
+    )
+    # The first chunk holding the row's largest value (argmax keeps the first), then its first index.
+    return idxs.gather(1, vals.argmax(dim=-1, keepdim=True))[:, 0]
 
 
 _WARP_OPTIONS = (4, 8, 16, 32)  # fewer than 4: 64+ keys a thread (slow; one warp takes minutes of ptxas)

@@ -142,11 +142,16 @@ class BatchDecoder:
     def _eager(self, idx: torch.Tensor, mode: str) -> torch.Tensor:
         from realtime.engines.sampling import greedy as argmax
         from realtime.engines.sampling import sample
+        from realtime.engines.transformer import use_kernels
 
         pos = self.pos[idx]
         logits = self.model.decode_step(self.cache, idx, self.tok[idx], pos)
         if mode == "greedy":
             nxt = argmax(logits)
+        elif mode == "sample" and logits.is_cuda and use_kernels():  # one Triton pass, chunked rows
+            from realtime.kernels.sampling import gumbel_argmax
+
+            nxt = gumbel_argmax(logits, self.temp[idx], self.seed[idx], self.step_no[idx])
         else:
             nxt = sample(logits, self.temp[idx], self.top_k[idx], self.top_p[idx], self.seed[idx], self.step_no[idx],
                          filtered=mode == "filter")

@@ -375,6 +375,22 @@ def test_sample_equals_engine(cpu_kernels, v):
     assert torch.equal(want, sample_ref(logits, temp, top_k, seeds, steps))
 
 
+@pytest.mark.parametrize("v", [1000, 5000, 128256])
+def test_gumbel_argmax_equals_engine(cpu_kernels, v):
+    """The chunked sampler (text's default: temperature only) = the engine's unfiltered sample, for
+    greedy and sampled rows, float32 and bf16 logits, and rows whose ties span chunks."""
+    logits, temp, _, seeds, steps = _sampling_rows(4, v)
+    want = engine_sample(logits, temp, torch.zeros(4, dtype=torch.long), torch.ones(4), seeds, steps, filtered=False)
+    assert torch.equal(fused_sampling.gumbel_argmax(logits, temp, seeds, steps), want)
+    bf = logits.to(torch.bfloat16)
+    want = engine_sample(bf, temp, torch.zeros(4, dtype=torch.long), torch.ones(4), seeds, steps, filtered=False)
+    assert torch.equal(fused_sampling.gumbel_argmax(bf, temp, seeds, steps), want)
+    flat = torch.zeros(2, v)  # greedy over a flat row: index 0 (the first chunk's first); sampled: the noise's argmax
+    t = torch.tensor([0.0, 1.0])
+    got = fused_sampling.gumbel_argmax(flat, t, seeds[:2], steps[:2])
+    assert got[0] == 0 and got[1] == uniform_noise(seeds[1:2], steps[1:2], v).argmax(-1)[0]
+
+
 def test_sample_noise_is_the_engine_hash(cpu_kernels):
     """Flat logits, no top-k: the token is the argmax of the noise, so this checks every hash bit path."""
     b, v = 16, 2500
@@ -514,6 +530,8 @@ for dt in ("bf16", "fp32"):
          dict(H=8, G=1, NQ=2, D=64, BLOCK_R=16, BLOCK_D=64, BLOCK_N=64, N_BLOCKS=4,
               DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee"), 4)
     comp(merge, dict(acc_ptr="*fp32", ml_ptr="*fp32", o_ptr=f"*{dt}"), dict(D=64, NUM_SPLITS=16, BLOCK_SPLITS=16, BLOCK_D=64), 4)
+    comp(sampling._chunk_kernel(), dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64",
+         val_ptr="*fp32", idx_ptr="*i64"), dict(BLOCK_V=2048, LIBDEVICE_LOG=True), 4)
     big, small = sampling._kernels()
     sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
     comp(big, sig, dict(N_BLOCKS=63, BLOCK_V=2048, LIBDEVICE_LOG=True), 8)
@@ -678,6 +696,23 @@ def test_gpu_gemv(dtype):
         eager, replay = [e.sums if isinstance(e, gemv.Partials) else e for e in (eager, replay)]
         assert torch.equal(eager, replay)
     print("\n" + "\n".join(str(c) for c in gemv.choices()))
+
+
+@pytest.mark.gpu
+def test_gpu_gumbel_argmax_equals_engine():
+    for b, v in ((1, 128256), (24, 128256), (3, 49152)):
+        logits, temp, _, seeds, steps = _sampling_rows(b, v, "cuda")
+        off_k, off_p = torch.zeros(b, dtype=torch.long, device="cuda"), torch.ones(b, device="cuda")
+        for lg in (logits, logits.to(torch.bfloat16)):
+            want = engine_sample(lg, temp, off_k, off_p, seeds, steps, filtered=False)
+            assert torch.equal(fused_sampling.gumbel_argmax(lg, temp, seeds, steps), want)
+    eager, replay = _graph(lambda: fused_sampling.gumbel_argmax(logits, temp, seeds, steps))
+    assert torch.equal(eager, replay)
+    logits, temp, _, seeds, steps = _sampling_rows(2, 128256, "cuda")
+    one = [t[1:2].contiguous() for t in (logits.to(torch.bfloat16), temp, seeds, steps)]  # temperature 1
+    print(f"\ngumbel_argmax V=128256 B=1 bf16: kernel {_time_us(lambda: fused_sampling.gumbel_argmax(*one)):.1f} us, "
+          f"one program a row {_time_us(lambda: sample(one[0], one[1], off_k[:1], one[2], one[3])):.1f} us, "
+          f"engine {_time_us(lambda: engine_sample(one[0], one[1], off_k[:1], off_p[:1], one[2], one[3], filtered=False)):.1f} us")
 
 
 @pytest.mark.gpu
