@@ -489,7 +489,6 @@ class Attention(nn.Module):
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.h * self.d))
 
-
     def attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
                     kpos: torch.Tensor, window: int) -> torch.Tensor:
         """``attend`` over a KV ring by positions: q [B, H, n, D] at qpos [B, n], k/v [B, Hkv, C, D]
@@ -529,9 +528,9 @@ class KVState:
 
     kv [2, L, B, Hkv, Cw, D]: keys then values, with Cw = ``Transformer.ring_size()``: the W - 1
     past keys that complete a query's window (it also sees itself), plus one code frame's new keys.
-    kp [B, Cw + 1] long: the absolute position held
-    by each ring slot (-1 = empty), then the slot's next position. One tensor each, so a batch of
-    slots is gathered and written back in two kernels (``select`` / ``write``).
+    kp [B, Cw + 1] long: the absolute position held by each ring slot (-1 = empty), then the slot's
+    next position. One tensor each, so a batch of slots is gathered and written back in two kernels
+    (``select`` / ``write``).
     """
 
     kv: torch.Tensor
