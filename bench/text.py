@@ -3,7 +3,7 @@
     python bench/text.py                          # Llama-3.2-1B shapes, bf16, CUDA (H200)
     python bench/text.py --small                  # tiny shapes, float32, CPU (< 2 min)
     python bench/text.py --batches 1 8 --steps 64 --no-hf
-    python bench/text.py --embedded               # the embedded SmolLM2-135M GGUF (real weights), CPU, float32
+    python bench/text.py --embedded               # the embedded SmolLM2-135M GGUF (real weights), CPU: float32 and the cpu-native default
 
 Random weights (seeded), built with transformers' LlamaForCausalLM and written with
 ``save_pretrained``; our TextModel loads that folder, so both run the same weights. Every stream
@@ -280,6 +280,16 @@ def main() -> int:
         split = args.prompt // 2
         ours_tf = ours_teacher_forced(ours, probe, split)
         del ours
+        native_tf = None
+        if embedded and device.type == "cpu":  # the server's CPU default: the file's 4-bit codes, bf16 products
+            native = TextModel.from_pretrained(None, device=device, dtype=dtype, cpu_native=True)
+            for b in batches:
+                tps, toks = ours_tokens_per_s(native, b, args.prompt, steps, False, args.temperature, context)
+                results["rows"].append({"impl": "ours-cpu-native", "batch": b, "tokens_per_s": tps,
+                                        "ms_per_step": 1000 * b / tps, "first_row": toks[:16]})
+                log(f"ours-cpu-native batch {b}: {tps:.0f} tok/s")
+            native_tf = ours_teacher_forced(native, probe, split)
+            del native
         if not args.no_hf:
             if embedded:  # transformers' own GGUF loading of the same file
                 gguf = default_gguf_path()
@@ -295,6 +305,12 @@ def main() -> int:
             results["parity_vs_hf"] = {"positions": len(ref), "logits_rel_l2": rel, "argmax_agreement": agree}
             log(f"parity vs HF (teacher-forced, {len(ref)} positions: prefill + decode steps): logits rel. L2 "
                 f"{rel:.2e}, argmax agreement {agree:.3f}")
+            if native_tf is not None:
+                rel = float((native_tf - ref).norm() / ref.norm())
+                agree = float((native_tf.argmax(-1) == ref.argmax(-1)).float().mean())
+                results["parity_cpu_native_vs_hf"] = {"positions": len(ref), "logits_rel_l2": rel,
+                                                      "argmax_agreement": agree}
+                log(f"cpu-native vs HF (teacher-forced): logits rel. L2 {rel:.2e}, argmax agreement {agree:.3f}")
             for b in batches:
                 tps, toks = hf_tokens_per_s(hf, b, args.prompt, steps, context)
                 results["rows"].append({"impl": "hf-static", "batch": b, "tokens_per_s": tps,

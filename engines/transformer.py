@@ -217,12 +217,45 @@ def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partia
     return faster_than_library(w, bias, swiglu, partials)
 
 
+class CPUProduct:
+    """A weight's faster CPU product, attached to the weight as ``w.cpu_product`` (``project`` uses
+    it for CPU inputs): 4-bit codes with a bf16 scale and offset per 32 inputs, w = (q - 8) * scale
+    + zero, for torch's CPU int4 GEMM (GGUF Q4_0 / Q4_1 weights, exactly their codes); or the
+    weight in bfloat16 (``codes`` None). Either way the product runs on bf16 inputs and returns x's
+    dtype. On this VM (AVX512-BF16) the embedded SmolLM2 decodes ~4× faster than in float32."""
+
+    def __init__(self, w: Tensor, codes: Tensor | None = None, scale: Tensor | None = None,
+                 zero: Tensor | None = None) -> None:
+        self.bf16 = None
+        if codes is None:
+            self.bf16 = w.detach().to(torch.bfloat16)
+            return
+        n, k = codes.shape
+        assert k % 32 == 0 and scale is not None and zero is not None and scale.shape == zero.shape == (n, k // 32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.bf16 is not None:
+            y = F.linear(xb, self.bf16)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.reshape(-1, x.shape[-1]), self.packed, 32,
+                                                            self.scales_zeros).reshape(*x.shape[:-1], -1)
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+
 def project(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> Tensor:
-    """x [M, K] @ w.T + bias: the GEMV for M <= GEMV_MAX_M rows when ``gemv``, else the library GEMM."""
+    """x [M, K] @ w.T + bias: the GEMV for M <= GEMV_MAX_M rows when ``gemv``, the weight's
+    ``CPUProduct`` for CPU inputs when it has one, else the library GEMM."""
     if gemv and x.shape[0] <= GEMV_MAX_M:
         from realtime.kernels.gemv import linear
 
         return linear(x, w, bias)
+    fast = getattr(w, "cpu_product", None)
+    if fast is not None and not x.is_cuda:
+        return fast(x, bias)
     return F.linear(x, w, bias)
 
 
@@ -305,7 +338,7 @@ class Attention(nn.Module):
             nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nkv, nkv], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (project(x, p.weight, p.bias, False) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(b, t, cfg.n_heads, cfg.head_dim)
         k = k.view(b, t, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim)
@@ -330,7 +363,8 @@ class Attention(nn.Module):
             cache.v[layer, slots[:, None], :, pos] = v.transpose(1, 2).to(cache.dtype)
             # keys 0..pos are valid for this query: reads the cache in place, no gather copy
             out = decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], slots, pos[:, 0] + 1)
-            return self.o_proj(out.reshape(b, 1, cfg.n_heads * cfg.head_dim).to(x.dtype))
+            return project(out.reshape(b, 1, cfg.n_heads * cfg.head_dim).to(x.dtype), self.o_proj.weight,
+                           self.o_proj.bias, False)
         if cache is not None:
             assert slots is not None
             # Advanced indices [B,1] and [B,T] separated by a slice: the indexed view is [B, T, Hkv, D].
@@ -347,7 +381,8 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.n_heads * cfg.head_dim))
+        o = self.o_proj
+        return project(out.transpose(1, 2).reshape(b, t, cfg.n_heads * cfg.head_dim), o.weight, o.bias, False)
 
 
 class MLP(nn.Module):
@@ -387,8 +422,12 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self._proj(self.down_proj, F.silu(gate) * up)
+        return self._proj(self.down_proj, F.silu(self._proj(self.gate_proj, x)) * self._proj(self.up_proj, x))
+
+    @staticmethod
+    def _proj(lin: nn.Linear, x: Tensor) -> Tensor:
+        return project(x, lin.weight, lin.bias, False)
 
 
 def fuse_params(params: list[nn.Parameter]) -> Tensor:

@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         generator_device=args.generator_device, codec_device=args.codec_device or args.generator_device,
         dtype=args.dtype, tts_model=args.tts_model, warmup=not args.no_warmup,
         tts_slots=args.tts_slots, cuda_graphs=not args.eager,
-        text_slots=args.text_slots, text_context=args.text_context,
+        text_slots=args.text_slots, text_context=args.text_context, text_exact=args.text_exact,
         asr_model=args.asr_model, text_model=args.text_model, image_model=args.image_model,
         video_model=args.video_model,
         enable_asr=not args.no_asr and _have("realtime.asr_service"),
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="/v1/video: a checkpoint folder (a DiT folder runs frame by frame; needs realtime[video])")
     s.add_argument("--no-asr", action="store_true", help="do not serve speech recognition")
     s.add_argument("--no-text", action="store_true", help="do not serve text generation")
+    s.add_argument("--text-exact", action="store_true",
+                   help="CPU text: dequantize every weight to float32 (transformers' numbers, ~2.6x slower than the "
+                        "default, which runs a GGUF's own Q4_0/Q4_1 codes and bfloat16 products)")
     s.add_argument("--tts-slots", type=int, default=16, help="CSM: concurrent streams (KV-cache slots)")
     s.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging)")
     s.add_argument("--text-slots", type=int, default=None, help="text decode: concurrent requests")

@@ -28,6 +28,7 @@ class ServerConfig:
     video_model: str | None = None  # /v1/video: a checkpoint folder; a DiT folder runs frame by frame
     text_slots: int | None = None  # text decode: concurrent requests with a KV-cache slot (default per device)
     text_context: int | None = None  # text decode: tokens per slot
+    text_exact: bool = False  # CPU text: every weight dequantized to float32 (else the GGUF's own 4-bit codes)
     enable_asr: bool = False
     enable_text: bool = False
     warmup: bool = True

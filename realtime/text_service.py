@@ -587,7 +587,8 @@ class TextService(Service):
         cuda = self.config.generator_device.startswith("cuda")
         if self.model is None:
             self.model = TextModel.from_pretrained(self.config.text_model, device=self.config.generator_device,
-                                                   dtype=getattr(torch, self.config.dtype))
+                                                   dtype=getattr(torch, self.config.dtype),
+                                                   cpu_native=not cuda and not self.config.text_exact)
         if self.model.tokenizer is None:
             from realtime.errors import ConfigError
 
@@ -868,6 +869,7 @@ def add_cli(subparsers: Any) -> None:
     c.add_argument("--api-key", default=None)
     c.add_argument("--generator-device", default="cpu")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--exact", action="store_true", help="with --local on the CPU: every weight dequantized to float32")
     c.set_defaults(fn=_chat)
 
 
@@ -957,7 +959,9 @@ def _local_turn(args: argparse.Namespace) -> Callable[[list, dict], tuple[str, d
     from realtime.engines.llama import TextModel
     from realtime.engines.tokenizer import StreamDecoder
 
-    model = TextModel.from_pretrained(args.model, device=args.generator_device, dtype=getattr(torch, args.dtype))
+    cpu = not args.generator_device.startswith("cuda")
+    model = TextModel.from_pretrained(args.model, device=args.generator_device, dtype=getattr(torch, args.dtype),
+                                      cpu_native=cpu and not args.exact)
     tok = model.tokenizer
     eng = BatchDecoder(model, 1, min(model.max_seq_len, 4096))
 

@@ -108,6 +108,40 @@ def test_answers_capital_of_france(ours: TextModel, greedy_runs) -> None:
     assert "Paris" in text, text
 
 
+def test_q4_codes_are_the_files_values() -> None:
+    """The 4-bit codes and scales cpu_native runs reconstruct every Q4 tensor of the embedded file exactly."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from realtime.engines.llama import _q4_codes
+
+    n = 0
+    for t in gguf.GGUFReader(str(default_gguf_path())).tensors:
+        codes = _q4_codes(t)
+        if codes is None:
+            continue
+        q, scale, zero = codes
+        w = dequantize(t.data, t.tensor_type).reshape(q.shape)
+        assert np.array_equal((q.astype(np.float32) - 8) * np.repeat(scale, 32, 1) + np.repeat(zero, 32, 1), w), t.name
+        n += 1
+    assert n == 210  # every projection of the 30 layers (the embedding is Q8_0)
+
+
+def test_cpu_native_answers_like_the_exact_model(ours: TextModel, greedy_runs) -> None:
+    """The server's CPU default: same answer, logits within bfloat16 distance of the exact path."""
+    native = TextModel.from_pretrained(cpu_native=True)
+    tok = native.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                     add_special=False)
+    out = native.generate(ids, 24)
+    assert "Paris" in tok.decode(out), tok.decode(out)
+    x = torch.tensor([ids])
+    a, b = ours.forward(x), native.forward(x)
+    assert ((a - b).norm() / a.norm()).item() < 5e-2
+    assert (a[0].argmax(-1) == b[0].argmax(-1)).float().mean() > 0.8
+
+
 def _strings(n: int) -> list[str]:
     rng = random.Random(1234)
     words = ["hello", "world", "The", "don't", "I'LL", "we've", "naïve", "café", "straße", "Ünïcödé", "Привет",
@@ -298,6 +332,22 @@ def test_synthetic_gguf_quant_types_equal_transformers(arch: str, tmp_path) -> N
     assert set(mine) == set(ref_sd)
     for k, v in mine.items():
         assert torch.equal(v, ref_sd[k]), k
+    # cpu_native: the Q4_0 / Q4_1 projections run from the file's 4-bit codes (q/k rows unpermuted
+    # like the weights: a wrong order would be ~100 % off), the rest in bfloat16.
+    native = TextModel.from_pretrained(path, cpu_native=True)
+    g = torch.Generator().manual_seed(8)
+    four_bit = 0
+    for name, mod in native.transformer.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            x = torch.randn(3, mod.in_features, generator=g)
+            fast = mod.weight.cpu_product
+            four_bit += fast.bf16 is None
+            want = torch.nn.functional.linear(x, mod.weight)
+            assert ((fast(x, None) - want).norm() / want.norm()).item() < 2e-2, name
+    assert four_bit == 2 * 2  # two 4-bit projections a layer, two layers
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(9))
+    a, b = ours.forward(ids), native.forward(ids)
+    assert ((a - b).norm() / a.norm()).item() < 5e-2
     # And the un-permuted q/k are the original HF ones up to quantization error.
     torch.testing.assert_close(ours.transformer.layers[0].self_attn.k_proj.weight,
                                hf.model.layers[0].self_attn.k_proj.weight, atol=0.05, rtol=0)
