@@ -240,7 +240,7 @@ class CPUProduct:
         if self.bf16 is not None:
             y = F.linear(xb, self.bf16)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.reshape(-1, x.shape[-1]), self.packed, 32,
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.reshape(-1, x.shape[-1]).contiguous(), self.packed, 32,
                                                             self.scales_zeros).reshape(*x.shape[:-1], -1)
         y = y.to(x.dtype)
         return y if bias is None else y + bias
