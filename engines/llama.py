@@ -293,18 +293,34 @@ class TextModel(nn.Module):
         return model
 
     def _attach_cpu_products(self, q4: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-        """Give every projection weight (and the LM head) a ``CPUProduct``: the file's own 4-bit
-        codes where it stores Q4_0 / Q4_1, bfloat16 elsewhere. CPU only; the float weights stay (the
-        embedding lookup, and ``cpu_native=False`` paths, use them)."""
+        """CPU products (``CPUProduct``) for the projections and the LM head: the file's own 4-bit
+        codes where it stores Q4_0 / Q4_1, bfloat16 elsewhere; [q|k|v] and [gate|up] as one product
+        each. CPU only; the float weights stay (the embedding lookup, and ``cpu_native=False``
+        paths, use them)."""
         if self.device.type != "cpu":
             raise ConfigError("cpu_native applies to CPU models only")
-        names = {id(p): n for n, p in self.transformer.named_parameters()}
-        for mod in self.transformer.modules():
-            if isinstance(mod, nn.Linear):
-                key = "model." + names[id(mod.weight)]
-                codes = q4.get(key)
-                mod.weight.cpu_product = (CPUProduct(mod.weight) if codes is None else
-                                          CPUProduct(mod.weight, *(torch.from_numpy(np.ascontiguousarray(a)) for a in codes)))
+        names = {id(p): "model." + n for n, p in self.transformer.named_parameters()}
+
+        def product(lins: list[nn.Linear]) -> tuple[CPUProduct, Tensor | None] | None:
+            """One product for the stacked weights; None when they mix 4-bit and other types (each
+            then gets its own, so no 4-bit weight is widened)."""
+            codes = [q4.get(names[id(m.weight)]) for m in lins]
+            bias = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
+            if all(c is not None for c in codes):
+                parts = (torch.from_numpy(np.concatenate([c[i] for c in codes])) for i in range(3))
+                return CPUProduct(None, *parts), bias
+            if any(c is not None for c in codes):
+                for m in lins:
+                    m.weight.cpu_product = product([m])[0]
+                return None
+            return CPUProduct(torch.cat([m.weight.detach() for m in lins])), bias
+
+        for layer in self.transformer.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            att.qkv_cpu, att.qkv_cpu_bias = product([att.q_proj, att.k_proj, att.v_proj]) or (None, None)
+            mlp.gate_up_cpu, mlp.gate_up_cpu_bias = product([mlp.gate_proj, mlp.up_proj]) or (None, None)
+            for lin in (att.o_proj, mlp.down_proj):
+                lin.weight.cpu_product = product([lin])[0]
         head = self.embed_tokens.weight if self.tied else self.lm_head.weight
         head.cpu_product = CPUProduct(head)
         log.info("text model %s: CPU products, 4-bit for %d weights, bfloat16 for the rest", self.name, len(q4))

@@ -224,10 +224,11 @@ class CPUProduct:
     weight in bfloat16 (``codes`` None). Either way the product runs on bf16 inputs and returns x's
     dtype. On this VM (AVX512-BF16) the embedded SmolLM2 decodes ~4× faster than in float32."""
 
-    def __init__(self, w: Tensor, codes: Tensor | None = None, scale: Tensor | None = None,
+    def __init__(self, w: Tensor | None, codes: Tensor | None = None, scale: Tensor | None = None,
                  zero: Tensor | None = None) -> None:
         self.bf16 = None
         if codes is None:
+            assert w is not None
             self.bf16 = w.detach().to(torch.bfloat16)
             return
         n, k = codes.shape
@@ -292,6 +293,10 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    # CPU products of [q|k|v] in one (``CPUProduct``), set by the loader: one product for three.
+    qkv_cpu: CPUProduct | None = None
+    qkv_cpu_bias: Tensor | None = None
+
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -334,9 +339,11 @@ class Attention(nn.Module):
         causal over the T inputs alone (no cache, or a fresh prefill that also writes them to it) -> [B, T, dim]."""
         cfg = self.cfg
         b, t, _ = x.shape
+        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         if self.qkv_weight is not None:  # one GEMM for q|k|v (see Transformer.fuse_projections)
-            nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nkv, nkv], dim=-1)
+        elif self.qkv_cpu is not None and not x.is_cuda:
+            q, k, v = self.qkv_cpu(x, self.qkv_cpu_bias).split([nq, nkv, nkv], dim=-1)
         else:
             q, k, v = (project(x, p.weight, p.bias, False) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(b, t, cfg.n_heads, cfg.head_dim)
@@ -386,6 +393,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # The CPU product of [gate|up] in one (``CPUProduct``), set by the loader.
+    gate_up_cpu: CPUProduct | None = None
+    gate_up_cpu_bias: Tensor | None = None
+
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -422,6 +433,9 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            return self._proj(self.down_proj, F.silu(gate) * up)
+        if self.gate_up_cpu is not None and not x.is_cuda:
+            gate, up = self.gate_up_cpu(x, self.gate_up_cpu_bias).chunk(2, dim=-1)
             return self._proj(self.down_proj, F.silu(gate) * up)
         return self._proj(self.down_proj, F.silu(self._proj(self.gate_proj, x)) * self._proj(self.up_proj, x))
 

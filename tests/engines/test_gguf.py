@@ -140,6 +140,14 @@ def test_cpu_native_answers_like_the_exact_model(ours: TextModel, greedy_runs) -
     a, b = ours.forward(x), native.forward(x)
     assert ((a - b).norm() / a.norm()).item() < 5e-2
     assert (a[0].argmax(-1) == b[0].argmax(-1)).float().mean() > 0.8
+    # Every projection is Q4_1 here: [q|k|v] and [gate|up] each run as one 4-bit product.
+    h = torch.randn(2, native.config.dim, generator=torch.Generator().manual_seed(3))
+    for layer in native.transformer.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        for fused, lins in ((att.qkv_cpu, (att.q_proj, att.k_proj, att.v_proj)), (mlp.gate_up_cpu, (mlp.gate_proj, mlp.up_proj))):
+            assert fused is not None and fused.bf16 is None
+            want = torch.nn.functional.linear(h, torch.cat([m.weight for m in lins]))
+            assert ((fused(h, None) - want).norm() / want.norm()).item() < 2e-2
 
 
 def _strings(n: int) -> list[str]:
@@ -337,13 +345,17 @@ def test_synthetic_gguf_quant_types_equal_transformers(arch: str, tmp_path) -> N
     native = TextModel.from_pretrained(path, cpu_native=True)
     g = torch.Generator().manual_seed(8)
     four_bit = 0
-    for name, mod in native.transformer.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            x = torch.randn(3, mod.in_features, generator=g)
-            fast = mod.weight.cpu_product
-            four_bit += fast.bf16 is None
-            want = torch.nn.functional.linear(x, mod.weight)
-            assert ((fast(x, None) - want).norm() / want.norm()).item() < 2e-2, name
+    for layer in native.transformer.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        for lins, fused in (((att.q_proj, att.k_proj, att.v_proj), att.qkv_cpu), ((mlp.gate_proj, mlp.up_proj), mlp.gate_up_cpu),
+                            ((att.o_proj,), None), ((mlp.down_proj,), None)):
+            # A group mixing 4-bit and other types gets one product per weight; otherwise one for all.
+            prods = [(lins, fused)] if fused is not None else [((m,), m.weight.cpu_product) for m in lins]
+            for ms, fast in prods:
+                x = torch.randn(3, ms[0].in_features, generator=g)
+                want = torch.nn.functional.linear(x, torch.cat([m.weight for m in ms]))
+                assert ((fast(x, None) - want).norm() / want.norm()).item() < 2e-2, ms
+                four_bit += fast.bf16 is None
     assert four_bit == 2 * 2  # two 4-bit projections a layer, two layers
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(9))
     a, b = ours.forward(ids), native.forward(ids)
