@@ -96,6 +96,18 @@ def test_chat_completions_answers_paris(live) -> None:  # noqa: ANN001
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 
 
+def test_cpu_runs_native_products_unless_exact(live) -> None:  # noqa: ANN001
+    # The served CPU default runs the GGUF's 4-bit codes; text_exact (serve --text-exact) loads the
+    # float32 path that equals transformers, with no CPU products at all.
+    head = live.svc.model.embed_tokens.weight
+    assert head.cpu_product is not None and live.svc.model.transformer.layers[0].self_attn.qkv_cpu.bf16 is None
+    exact = TextService(ServerConfig(text_exact=True), n_slots=1, max_seq_len=64)
+    exact.load()
+    m = exact.model
+    assert not hasattr(m.embed_tokens.weight, "cpu_product") and m.transformer.layers[0].self_attn.qkv_cpu is None
+    assert not any(hasattr(p, "cpu_product") for p in m.parameters())
+
+
 def test_batched_decode_equals_solo_and_shares_steps(live) -> None:  # noqa: ANN001
     url = f"{live.ws}/v1/text"
     starts = [{"messages": p, "temperature": 0, "max_tokens": 16} for p in PROMPTS]
