@@ -1,0 +1,186 @@
+"""Mimi streaming decode step: where its time goes, by switch, in one run.
+
+    python bench/mimi.py [--device cuda] [--batches 1 8] [--out bench/results/mimi.json]
+
+Random default-config Mimi (the published model's shapes), bf16 on CUDA (float32 on the CPU). One
+code frame per step, as CSM feeds it. Each variant is timed full-batch (B slots of a B-slot
+decoder) and as the server calls it (B slots of a 257-slot decoder, ``step(codes, slots)``; the
+server's decoder holds its slots plus a scratch one). On
+CUDA each step is captured in a CUDA graph and replayed back to back (median of 100 after 10
+warm-up replays), with its kernel count from the profiler; on the CPU it runs eagerly.
+
+Variants: the SEANet convs in NCW or channels-last (``channels_last``), and the streaming attention
+as the Triton window kernel or as SDPA with the same mask. ``--tf32-check`` (CUDA) also steps the
+same slots as a batch of 3 and of 4 in float32, per layout and TF32 setting: why float32 keeps NCW.
+The outputs of all variants are compared with the first over 24 frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVED_SLOTS = 257
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build(device: str, dtype: torch.dtype):  # noqa: ANN201
+    from realtime.codecs.mimi import Mimi, MimiConfig
+
+    torch.manual_seed(0)
+    m = Mimi(MimiConfig())
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.02)
+        for b in m.buffers():
+            if b.is_floating_point():
+                b.copy_(torch.randn_like(b))
+    m = m.to(device, dtype).eval().requires_grad_(False)
+    for rvq in (m.quantizer.semantic_residual_vector_quantizer, m.quantizer.acoustic_residual_vector_quantizer):
+        rvq.codebooks = rvq.codebooks.float()  # as Mimi.from_pretrained keeps them
+    for layer in m.decoder_transformer.layers:
+        layer.self_attn.fuse()
+    return m
+
+
+def _sdpa_ring(self, q, k, v, qpos, kpos, window):  # noqa: ANN001, ANN202
+    diff = qpos[:, :, None] - kpos[:, None, :]
+    return self.attend(q, k, v, ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < window))[:, None])
+
+
+def time_step(step, out_ref, device: str) -> tuple[float, int | None]:  # noqa: ANN001
+    """ms per step (median) and kernels per step (CUDA)."""
+    if device != "cuda":
+        for _ in range(3):
+            step()
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) * 1e3, None
+    from torch.profiler import ProfilerActivity, profile
+
+    from realtime.cuda_graphs import capture
+
+    graph, out = capture(step, torch.cuda.graph_pool_handle())
+    out_ref.append(out)
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(100):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sum(e.count for e in prof.key_averages()) // 4
+    out_ref.append(graph)
+    return statistics.median(ts), kernels
+
+
+def tf32_check(m) -> list[dict]:  # noqa: ANN001
+    """float32: the same 3 slots stepped as a batch of 3 and of 4 (a padding row), per layout and TF32."""
+    rows = []
+    codes = torch.randint(0, 2048, (4, m.num_codebooks, 1), device="cuda")
+    m32 = m.float()
+    for tf32 in (True, False):
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+        for cl in (False, True):
+            a, b = m32.streaming_decoder(6, cl), m32.streaming_decoder(6, cl)
+            diffs = []
+            for _ in range(6):
+                ya = a.step(codes[:3], slots=torch.tensor([0, 1, 2], device="cuda"))
+                yb = b.step(codes, slots=torch.tensor([0, 1, 2, 5], device="cuda"))[:3]
+                diffs.append(((ya - yb).abs().max() / ya.abs().max()).item())
+            rows.append({"tf32": tf32, "channels_last": cl, "max_rel_diff": max(diffs)})
+            log(f"float32, TF32 {'on' if tf32 else 'off'}, {'channels-last' if cl else 'NCW'}: batch 3 vs 4, "
+                f"max rel. diff {max(diffs):.1e}")
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--frames", type=int, default=24, help="frames decoded to compare the variants' outputs")
+    ap.add_argument("--served-slots", type=int, default=SERVED_SLOTS, help="slots of the served decoder")
+    ap.add_argument("--tf32-check", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mimi.json"))
+    args = ap.parse_args()
+    from realtime.codecs import mimi
+
+    dev = args.device
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    m = build(dev, dtype)
+    kernel_ring = mimi.Attention.attend_ring
+    attn = [("window kernel", kernel_ring)] + ([("SDPA", _sdpa_ring)] if dev == "cuda" else [])
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+           "torch": torch.__version__, "dtype": str(dtype), "rows": [],
+           "commit": os.environ.get("REALTIME_COMMIT") or subprocess.run(
+               ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
+    g = torch.Generator().manual_seed(1)
+    for b in args.batches:
+        seq = torch.randint(0, 2048, (args.frames, b, m.num_codebooks, 1), generator=g).to(dev)
+        first = None
+        for served in (False, True):
+            for cl in (False, True):
+                for attn_name, ring in attn:
+                    mimi.Attention.attend_ring = ring
+                    dec = m.streaming_decoder(args.served_slots if served else b, cl)
+                    inp = seq[0].clone()
+                    slots = torch.arange(3, 3 + b, device=dev)
+
+                    def step(dec=dec, inp=inp, slots=slots, served=served):  # noqa: ANN001, ANN202
+                        return dec.step(inp, slots=slots) if served else dec.step(inp)
+
+                    keep: list = []
+                    ms, kernels = time_step(step, keep, dev)
+                    dec.reset()
+                    outs = []
+                    for i in range(args.frames):  # the same frames through every variant, from a reset
+                        inp.copy_(seq[i])
+                        if keep:
+                            keep[1].replay()
+                            outs.append(keep[0].float().clone())
+                        else:
+                            outs.append(step().float())
+                    y = torch.cat(outs, -1)
+                    first = y if first is None else first
+                    rel = float((y - first).norm() / first.norm())
+                    name = f"{'served' if served else 'full'}, {'channels-last' if cl else 'NCW'}, {attn_name}"
+                    res["rows"].append({"batch": b, "served": served, "channels_last": cl, "attention": attn_name,
+                                        "ms": ms, "kernels": kernels, "rel_l2_vs_first": rel})
+                    log(f"batch {b} {name}: {ms:.3f} ms a step, {kernels if kernels is not None else '-'} kernels, "
+                        f"rel. L2 vs the first variant {rel:.1e}")
+        mimi.Attention.attend_ring = kernel_ring
+    if args.tf32_check and dev == "cuda":
+        res["tf32_check"] = tf32_check(m)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
