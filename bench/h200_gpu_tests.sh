@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU tests (pytest -m gpu) and the Mimi switch bench in one device call (~5 min on one H200):
+#   bash bench/h200_gpu_tests.sh COMMIT [OUT_DIR]
+# Run it first in a device session, before bench/h200_all.sh: it checks every GPU path (kernels,
+# transformer, CSM, Llama, Mimi, the served CSM and text tests) against its reference. Then
+# bench/mimi.py times the Mimi decode step per switch (layout, window kernel or SDPA, full batch or
+# served), with --tf32-check. Everything goes into one results.tgz (the device returns few files).
+set -u
+export REALTIME_COMMIT="${1:?usage: bench/h200_gpu_tests.sh COMMIT [OUT_DIR]}"
+out="${2:-${OUT:-bench/results/run}}"
+mkdir -p "$out"
+work="$(mktemp -d)"
+source bench/h200_env.sh
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+
+echo "== GPU tests"
+timeout 420 python3 -m pytest -q -s -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
+  tests/server/test_text_server.py > "$work/gpu_tests.log" 2>&1
+grep -E "passed|failed|error|FAILED| us, | ms/frame" "$work/gpu_tests.log" | cut -c1-200 | tail -40
+
+echo "== Mimi switches"
+timeout 120 python3 bench/mimi.py --tf32-check --out "$work/mimi_h200.json" > "$work/mimi.log" 2>&1
+grep "batch\|float32" "$work/mimi.log" | cut -c1-170
+
+tar czf "$out/results.tgz" -C "$work" .
+echo "wrote $out/results.tgz ($(ls "$work" | tr '\n' ' '))"
