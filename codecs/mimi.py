@@ -551,6 +551,18 @@ class KVState:
         self.pos.masked_fill_(mask, 0)
 
 
+def _add_norm(x: torch.Tensor, h: torch.Tensor, ls: LayerScale, ln: nn.LayerNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + ls.scale * h, and ``ln`` of it (None: no norm follows) -> (new x, its norm). On CUDA one
+    Triton kernel (``kernels.layernorm``) does both; elsewhere an addcmul and the LayerNorm."""
+    if ln is not None and use_kernels() and x.is_cuda:
+        from realtime.kernels.layernorm import scale_add_layernorm
+
+        y, s = scale_add_layernorm(x, h, ls.scale, ln.weight, ln.bias, ln.eps)
+        return s, y
+    x = ls.add_to(x, h)
+    return x, None if ln is None else ln(x)
+
+
 class Transformer(nn.Module):
     """Causal sliding-window transformer on [B, T, C] latents."""
 
@@ -614,8 +626,9 @@ class Transformer(nn.Module):
             diff = qpos[:, :, None] - kpos[:, None, :]
             mask = ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < self.window))[:, None]
         idx = ring[:, None, :, None].expand(b, self.cfg.num_kv_heads, keep, self.cfg.head_dim)
+        h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            q, k, v = layer.self_attn.qkv(h, cos, sin)
             kc, vc = st.k[i], st.v[i]
             if first:
                 kc.scatter_(2, idx, k)
@@ -625,8 +638,10 @@ class Transformer(nn.Module):
                 a = layer.self_attn.attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
                 kc.scatter_(2, idx, k[:, :, n - keep:])
                 vc.scatter_(2, idx, v[:, :, n - keep:])
-            x = layer.self_attn_layer_scale.add_to(x, a)
-            x = layer.mlp_block(x)
+            x, h = _add_norm(x, a, layer.self_attn_layer_scale, layer.post_attention_layernorm)
+            m = layer.mlp.fc2(layer.act(layer.mlp.fc1(h)))
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            x, h = _add_norm(x, m, layer.mlp_layer_scale, nxt)
         if not first:
             st.kv_pos.scatter_(1, ring, qpos[:, n - keep:])
         st.pos.add_(n)

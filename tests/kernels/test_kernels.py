@@ -34,6 +34,7 @@ from realtime.kernels.decode_attention import decode_attention, decode_attention
 from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, add_rmsnorm_ref, rmsnorm, rmsnorm_ref  # noqa: E402
 from realtime.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cache_write, rotary_cache_write_ref  # noqa: E402
 from realtime.kernels.sampling import sample, sample_ref  # noqa: E402
+from realtime.kernels.layernorm import scale_add_layernorm, scale_add_layernorm_ref  # noqa: E402
 from realtime.kernels.window_attention import window_attention, window_attention_ref  # noqa: E402
 
 # (rtol, atol) per dtype. bf16 has an 8-bit mantissa: 1 ulp is 2**-7 relative; the CPU
@@ -335,6 +336,60 @@ def test_window_attention(cpu_kernels, case, dtype):
     assert not torch.allclose(window_attention(q, k, v, qpos, kpos2, window, 0.2).float(), out.float())
 
 
+def _ln_inputs(shape, dtype, bias=True, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d = shape[-1]
+    x, h = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(2))
+    scale, weight = torch.rand(d, generator=g) + 0.1, torch.rand(d, generator=g) + 0.5
+    b = torch.randn(d, generator=g) if bias else None
+    return x, h, scale.to(device, dtype), weight.to(device, dtype), None if b is None else b.to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, bias", [((2, 512), True), ((3, 5, 96), False), ((4, 300), True)])
+def test_scale_add_layernorm(cpu_kernels, shape, bias, dtype):
+    x, h, scale, weight, b = _ln_inputs(shape, dtype, bias)
+    y, s = scale_add_layernorm(x, h, scale, weight, b, 1e-5)
+    y_ref, s_ref = scale_add_layernorm_ref(x, h, scale, weight, b, 1e-5)
+    assert y.shape == s.shape == x.shape and y.dtype == s.dtype == dtype
+    _close(s, s_ref, dtype)
+    _close(y, y_ref, dtype)
+
+
+def test_mimi_step_with_fused_add_layernorm(cpu_kernels, monkeypatch):
+    """The Mimi transformer step wired to the fused kernel (as on CUDA) equals its addcmul + LayerNorm path."""
+    from realtime.codecs import mimi
+
+    cfg = mimi.MimiConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=16,
+                          intermediate_size=128, sliding_window=8)
+    torch.manual_seed(0)
+    tr = mimi.Transformer(cfg).eval()
+    with torch.no_grad():
+        for prm in tr.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+    x = torch.randn(2, 2, 64)
+
+    def run():
+        st = tr.new_state(2, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            return torch.cat([tr.step(x + i, st) for i in range(5)], 1)
+
+    want = run()
+    calls = []
+
+    def fused(x, h, ls, ln):  # noqa: ANN001, ANN202
+        if ln is None:
+            return ls.add_to(x, h), None
+        calls.append(1)
+        y, s = scale_add_layernorm(x, h, ls.scale, ln.weight, ln.bias, ln.eps)
+        return s, y
+
+    monkeypatch.setattr(mimi, "_add_norm", fused)
+    got = run()
+    assert len(calls) == 5 * (2 * 3 - 1)  # every add but the last layer's MLP one is fused
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_never_reads_past_length(cpu_kernels):
     """Stale NaN/inf beyond a row's length (or in other slots) cannot reach the output."""
     q, kc, vc, slots = _att_inputs(2, 4, 2, 3, 130, 32, torch.float32)
@@ -488,7 +543,7 @@ _AOT = r"""
 import triton, triton.language as tl
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from realtime.kernels import decode_attention, gemv, rmsnorm, rotary, sampling, window_attention
+from realtime.kernels import decode_attention, gemv, layernorm, rmsnorm, rotary, sampling, window_attention
 
 def comp(fn, sig, consts, warps):
     consts = {"PDL": True, **consts}  # with the griddepcontrol wait/launch the GPU path uses on sm90
@@ -525,6 +580,8 @@ for dt in ("bf16", "fp32"):
          dict(H=8, G=4, D=64, CHUNK=64, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
               DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
               DIRECT=True), 4)
+    comp(layernorm._kernel(), dict(x_ptr=f"*{dt}", h_ptr=f"*{dt}", g_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}",
+         y_ptr=f"*{dt}", s_ptr=f"*{dt}", eps="fp32"), dict(HAS_BIAS=True, BLOCK_D=512), 4)
     comp(window_attention._kernel(), dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", qpos_ptr="*i64",
          kpos_ptr="*i64", o_ptr=f"*{dt}", qk_scale="fp32"),
          dict(H=8, G=1, NQ=2, D=64, BLOCK_R=16, BLOCK_D=64, BLOCK_N=64, N_BLOCKS=4,
@@ -622,6 +679,21 @@ def test_gpu_decode_attention(dtype):
     print(f"\ndecode_attention {dtype} B=8 H=32 Hkv=8 Tmax=2048: kernel "
           f"{_time_us(lambda: decode_attention(q, kc, vc, slots, lengths, 0.125)):.1f} us, "
           f"ref {_time_us(lambda: decode_attention_ref(q, kc, vc, slots, lengths, 0.125)):.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_scale_add_layernorm(dtype):
+    for shape, bias in [((2, 512), True), ((3, 5, 96), False), ((4, 300), True), ((16, 512), True)]:
+        x, h, scale, weight, b = _ln_inputs(shape, dtype, bias, "cuda")
+        y, s = scale_add_layernorm(x, h, scale, weight, b, 1e-5)
+        y_ref, s_ref = scale_add_layernorm_ref(x, h, scale, weight, b, 1e-5)
+        _close(s, s_ref, dtype)
+        _close(y, y_ref, dtype)
+    eager, replay = _graph(lambda: scale_add_layernorm(x, h, scale, weight, b, 1e-5)[0])
+    assert torch.equal(eager, replay)
+    print(f"\nscale_add_layernorm {dtype} [16, 512]: kernel {_time_us(lambda: scale_add_layernorm(x, h, scale, weight, b, 1e-5)):.1f} us, "
+          f"ref {_time_us(lambda: scale_add_layernorm_ref(x, h, scale, weight, b, 1e-5)):.1f} us")
 
 
 @pytest.mark.gpu
