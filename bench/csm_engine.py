@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from _common import commit  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,9 +106,7 @@ def main() -> int:
     folder = Path(args.folder)
     build(folder)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                 "commit": os.environ.get("REALTIME_COMMIT") or subprocess.run(
-                     ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-                 or "unknown"}
+                 "commit": commit()}
     bw = copy_bandwidth()
     res["copy_bandwidth_TBps"] = bw / 1e12
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s")

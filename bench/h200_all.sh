@@ -7,17 +7,8 @@
 #    sweep of 1..256 streams (underruns, GC pauses). It writes a JSON and the PNG plot.
 # 3. bench/text.py: Llama-3.2-1B shapes, batch 1/8/32/128, read-each-step and pipelined, next to HF;
 #    then sampled decoding (temperature 1, the API default) at batch 1/8/128.
-# COMMIT labels the results: pass the hash from the machine that sent the tree. The device copy's
-# own git may name another commit. OUT_DIR defaults to $OUT (the device tool's folder) or
-# bench/results/run. Besides the summary printed here, everything goes into one results.tgz, because
-# the device tool returns only a few files a call.
-set -u
-export REALTIME_COMMIT="${1:?usage: bench/h200_all.sh COMMIT [OUT_DIR]}"
-out="${2:-${OUT:-bench/results/run}}"
-mkdir -p "$out"
-work="$(mktemp -d)"
-source bench/h200_env.sh
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+# COMMIT, OUT_DIR and the one results.tgz: see bench/h200_run.sh.
+source bench/h200_run.sh "$0" "$@"
 
 echo "== CSM engine (builds a random CSM-1B in /tmp/csm1b on first use)"
 timeout 300 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 8 64 --variants graphed_kernels \
@@ -40,5 +31,4 @@ timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --o
   > "$work/text_sampled.log" 2>&1
 grep "^ours" "$work/text_sampled.log"
 
-tar czf "$out/results.tgz" -C "$work" .
-echo "wrote $out/results.tgz ($(ls "$work" | tr '\n' ' '))"
+pack_results

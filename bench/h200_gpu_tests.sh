@@ -5,13 +5,7 @@
 # transformer, CSM, Llama, Mimi, the served CSM and text tests) against its reference. Then
 # bench/mimi.py times the Mimi decode step per switch (layout, window kernel or SDPA, full batch or
 # served), with --tf32-check. Everything goes into one results.tgz (the device returns few files).
-set -u
-export REALTIME_COMMIT="${1:?usage: bench/h200_gpu_tests.sh COMMIT [OUT_DIR]}"
-out="${2:-${OUT:-bench/results/run}}"
-mkdir -p "$out"
-work="$(mktemp -d)"
-source bench/h200_env.sh
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+source bench/h200_run.sh "$0" "$@"
 
 echo "== GPU tests"
 timeout 420 python3 -m pytest -q -s -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
@@ -22,5 +16,4 @@ echo "== Mimi switches"
 timeout 120 python3 bench/mimi.py --tf32-check --out "$work/mimi_h200.json" > "$work/mimi.log" 2>&1
 grep "batch\|float32" "$work/mimi.log" | cut -c1-170
 
-tar czf "$out/results.tgz" -C "$work" .
-echo "wrote $out/results.tgz ($(ls "$work" | tr '\n' ' '))"
+pack_results

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from _common import commit  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_SLOTS = 257
@@ -128,6 +128,8 @@ def main() -> int:
     ap.add_argument("--tf32-check", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mimi.json"))
     args = ap.parse_args()
+    if args.served_slots < 3 + max(args.batches):  # the served rows are slots 3 .. 3 + B - 1
+        ap.error(f"--served-slots must be at least {3 + max(args.batches)} for batches {args.batches}")
     from realtime.codecs import mimi
 
     dev = args.device
@@ -137,8 +139,7 @@ def main() -> int:
     attn = [("window kernel", kernel_ring)] + ([("SDPA", _sdpa_ring)] if dev == "cuda" else [])
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype), "rows": [],
-           "commit": os.environ.get("REALTIME_COMMIT") or subprocess.run(
-               ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
+           "commit": commit()}
     g = torch.Generator().manual_seed(1)
     for b in args.batches:
         seq = torch.randint(0, 2048, (args.frames, b, m.num_codebooks, 1), generator=g).to(dev)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from _common import commit  # bench/ is on sys.path when a script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 LLAMA_3_2_1B = dict(
@@ -234,7 +236,7 @@ def main() -> int:
 
     results: dict = {"shapes": label, "device": str(device), "dtype": str(dtype),
                      "prompt_tokens": args.prompt, "steps": steps, "context": context, "temperature": args.temperature,
-                     "torch": torch.__version__, "python": platform.python_version(), "rows": []}
+                     "torch": torch.__version__, "python": platform.python_version(), "commit": commit(), "rows": []}
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(device)
     bw = copy_bandwidth(device, 64 if cpu_run else 2048)

@@ -17,12 +17,13 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from _common import commit  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -112,15 +113,6 @@ async def sweep_level(url: str, text: str, rate: int, n: int, arrival_s: float, 
             "streams_gap_over_100ms": sum(r["client_underruns_over_100ms"] > 0 for r in res),
             "max_underrun_ms": max(r["client_max_underrun_ms"] for r in res),
             "aggregate_audio_s_per_s": audio / wall, "wall_s": wall}
-
-
-def commit() -> str:
-    if os.environ.get("REALTIME_COMMIT"):  # the device copy of the tree has no .git
-        return os.environ["REALTIME_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def main() -> int:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from _common import commit  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["Hello there, how are you today?",
@@ -73,9 +74,7 @@ def main() -> int:
             rows.append({"text": text, "engine": name, "audio_s": audio_s, "p50_ms": float(np.median(ts) * 1000),
                          "p95_ms": float(np.percentile(ts, 95) * 1000), "rtf": float(np.median(ts) / audio_s)})
     layouts = _vocoder_layouts(voice, args) if args.vocoder_layouts else []
-    commit = os.environ.get("REALTIME_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    res = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "threads": args.threads,
+    res = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": args.threads,
            "torch": torch.__version__, "onnxruntime": ort.__version__, "cpu_count": os.cpu_count(), "rows": rows,
            "vocoder_layouts": layouts}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
