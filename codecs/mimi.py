@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from realtime.engines.channels_last import conv1d_cl, conv_transpose1d_cl, from_cl, to_cl
+from realtime.engines.channels_last import conv, conv_transpose1d_cl, from_cl, to_cl
 from realtime.engines.transformer import fuse_params, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
@@ -230,11 +230,6 @@ class CausalConv1d(nn.Module):
     def state_shape(self) -> tuple[int, int]:
         return (self.c_in, self.pad)
 
-    def _conv(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3:
-            return self.conv(x)
-        return conv1d_cl(self.conv, x)  # channels-last [B, C, 1, T] (engines.channels_last)
-
     def step(self, x: torch.Tensor, state: torch.Tensor, fresh: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, C, n*stride], state [B, C, pad] (updated in place) -> [B, C', n]. Or all three
         channels-last and 4-D: [B, C, 1, T] (see ``MimiStreamingDecoder``).
@@ -244,13 +239,13 @@ class CausalConv1d(nn.Module):
         """
         assert x.shape[-1] % self.stride == 0, "streaming input must be a whole number of strides"
         if self.pad == 0:
-            return self._conv(x)
+            return conv(self.conv, x)
         left = state
         if self.replicate:
             assert fresh is not None and x.dim() == 3
             left = torch.where(fresh[:, None, None], x[..., :1].expand_as(state), state)
         buf = torch.cat([left, x], dim=-1)
-        y = self._conv(buf)
+        y = conv(self.conv, buf)
         state.copy_(buf[..., buf.shape[-1] - self.pad:])
         return y
 
@@ -500,9 +495,12 @@ class TransformerLayer(nn.Module):
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
+    def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normalised input h (without the LayerScale residual)."""
+        return self.mlp.fc2(self.act(self.mlp.fc1(h)))
+
     def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.mlp.fc2(self.act(self.mlp.fc1(self.post_attention_layernorm(x))))
-        return self.mlp_layer_scale.add_to(x, h)
+        return self.mlp_layer_scale.add_to(x, self.mlp_out(self.post_attention_layernorm(x)))
 
 
 @dataclass
@@ -639,7 +637,7 @@ class Transformer(nn.Module):
                 kc.scatter_(2, idx, k[:, :, n - keep:])
                 vc.scatter_(2, idx, v[:, :, n - keep:])
             x, h = _add_norm(x, a, layer.self_attn_layer_scale, layer.post_attention_layernorm)
-            m = layer.mlp.fc2(layer.act(layer.mlp.fc1(h)))
+            m = layer.mlp_out(h)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
             x, h = _add_norm(x, m, layer.mlp_layer_scale, nxt)
         if not first:

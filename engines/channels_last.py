@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["to_cl", "from_cl", "cl_weight", "conv1d_cl", "conv_transpose1d_cl"]
+__all__ = ["to_cl", "from_cl", "cl_weight", "conv1d_cl", "conv_transpose1d_cl", "conv"]
 
 
 def to_cl(x: Tensor) -> Tensor:
@@ -43,6 +43,13 @@ def conv1d_cl(conv: nn.Conv1d, x: Tensor, padding: int | None = None) -> Tensor:
     assert conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
     pad = conv.padding[0] if padding is None else padding
     return F.conv2d(x, cl_weight(conv), conv.bias, (1, conv.stride[0]), (0, pad), (1, conv.dilation[0]), conv.groups)
+
+
+def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: Tensor) -> Tensor:
+    """``m(x)`` in x's layout: [B, C, T] as the module runs it, channels-last [B, C, 1, T] as above."""
+    if x.dim() == 3:
+        return m(x)
+    return conv1d_cl(m, x) if isinstance(m, nn.Conv1d) else conv_transpose1d_cl(m, x)
 
 
 def conv_transpose1d_cl(conv: nn.ConvTranspose1d, x: Tensor, bias: bool = True, padding: int | None = None) -> Tensor:

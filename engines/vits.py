@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from realtime.engines.channels_last import conv1d_cl, conv_transpose1d_cl, from_cl, to_cl
+from realtime.engines.channels_last import conv as _conv
+from realtime.engines.channels_last import from_cl, to_cl
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["VitsConfig", "PiperVoice", "embedded_voice_paths", "vocode_batch", "dec_receptive_field"]
@@ -429,13 +430,6 @@ class Flow(nn.Module):
         for i in self.flow_ids:
             z = self.flows[str(i)].reverse(z.flip(1))
         return z
-
-
-def _conv(m: nn.Conv1d | nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)``, or for channels-last x [B, C, 1, T] the same conv on that layout."""
-    if x.dim() == 3:
-        return m(x)
-    return conv1d_cl(m, x) if isinstance(m, nn.Conv1d) else conv_transpose1d_cl(m, x)
 
 
 class ResBlock1(nn.Module):
