@@ -273,7 +273,8 @@ class TextModel(nn.Module):
                 codes = _q4_codes(t) if cpu_native else None
                 if arch == "llama" and heads is not None:
                     w = _unpermute_qk(w, heads)
-                    codes = codes and tuple(_unpermute_qk(a, heads) for a in codes)
+                    if codes is not None:  # the codes and scales are rows of the same matrix
+                        codes = tuple(_unpermute_qk(a, heads) for a in codes)
                 name = f"model.layers.{m.group(1)}.{sub}"
                 if codes is not None:
                     q4[name] = codes
@@ -301,26 +302,31 @@ class TextModel(nn.Module):
             raise ConfigError("cpu_native applies to CPU models only")
         names = {id(p): "model." + n for n, p in self.transformer.named_parameters()}
 
-        def product(lins: list[nn.Linear]) -> tuple[CPUProduct, Tensor | None] | None:
-            """One product for the stacked weights; None when they mix 4-bit and other types (each
-            then gets its own, so no 4-bit weight is widened)."""
+        def product(lins: list[nn.Linear]) -> CPUProduct:
+            """One product for the weights stacked (all 4-bit, or none)."""
             codes = [q4.get(names[id(m.weight)]) for m in lins]
-            bias = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
             if all(c is not None for c in codes):
-                parts = (torch.from_numpy(np.concatenate([c[i] for c in codes])) for i in range(3))
-                return CPUProduct(None, *parts), bias
-            if any(c is not None for c in codes):
+                return CPUProduct(None, *(torch.from_numpy(np.concatenate([c[i] for c in codes])) for i in range(3)))
+            return CPUProduct(torch.cat([m.weight.detach() for m in lins]))
+
+        def stacked(owner: nn.Module, name: str, lins: list[nn.Linear]) -> None:
+            """``owner.<name>_cpu``: one product for ``lins``; when they mix 4-bit and other types,
+            one product per weight instead, so no 4-bit weight is widened."""
+            kinds = {names[id(m.weight)] in q4 for m in lins}
+            if len(kinds) == 1:
+                setattr(owner, f"{name}_cpu", product(lins))
+                if lins[0].bias is not None:
+                    setattr(owner, f"{name}_cpu_bias", torch.cat([m.bias.detach() for m in lins]))
+            else:
                 for m in lins:
-                    m.weight.cpu_product = product([m])[0]
-                return None
-            return CPUProduct(torch.cat([m.weight.detach() for m in lins])), bias
+                    m.weight.cpu_product = product([m])
 
         for layer in self.transformer.layers:
             att, mlp = layer.self_attn, layer.mlp
-            att.qkv_cpu, att.qkv_cpu_bias = product([att.q_proj, att.k_proj, att.v_proj]) or (None, None)
-            mlp.gate_up_cpu, mlp.gate_up_cpu_bias = product([mlp.gate_proj, mlp.up_proj]) or (None, None)
+            stacked(att, "qkv", [att.q_proj, att.k_proj, att.v_proj])
+            stacked(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
             for lin in (att.o_proj, mlp.down_proj):
-                lin.weight.cpu_product = product([lin])[0]
+                lin.weight.cpu_product = product([lin])
         head = self.embed_tokens.weight if self.tied else self.lm_head.weight
         head.cpu_product = CPUProduct(head)
         log.info("text model %s: CPU products, 4-bit for %d weights, bfloat16 for the rest", self.name, len(q4))
