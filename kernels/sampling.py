@@ -44,7 +44,7 @@ def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor
 @functools.cache
 def _kernels():
     # The jit'd functions resolve `tl`, `libdevice` and the helper through module globals.
-    global triton, tl, libdevice, _hash32, _row_key, _row_setup, _gumbel, _pdl_enter
+    global triton, tl, libdevice, _hash32, _row_key, _row_temp, _row_setup, _gumbel, _pdl_enter
     import triton
     import triton.language as tl
     _pdl_enter = pdl_jit()
@@ -72,11 +72,16 @@ def _kernels():
         return _hash32(key ^ ((step >> 32) & 0xFFFFFFFF).to(tl.uint32) ^ 0x85EBCA6B)
 
     @triton.jit
-    def _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V):
-        # Per-row parameters and the row key of the noise.
+    def _row_temp(temp_ptr, row):
+        # The row's temperature (1 for a greedy row, so scaling leaves its logits as they are).
         temp = tl.load(temp_ptr + row)
         greedy = temp <= 0
-        temp = tl.where(greedy, 1.0, temp)
+        return tl.where(greedy, 1.0, temp), greedy
+
+    @triton.jit
+    def _row_setup(row, temp_ptr, topk_ptr, seed_ptr, step_ptr, V):
+        # Per-row parameters and the row key of the noise.
+        temp, greedy = _row_temp(temp_ptr, row)
         k = tl.load(topk_ptr + row)
         topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
         return temp, greedy, k, topk_on, _row_key(seed_ptr, step_ptr, row)
@@ -219,6 +224,18 @@ def _kernels():
     return _sample_kernel, _sample_small_kernel
 
 
+def _check_rows(logits: Tensor, **rows: Tensor) -> tuple[int, int]:
+    """The launchers' argument checks: float logits [B, V] with a unit stride over V, and [B] per-row
+    tensors. -> (B, V)."""
+    check(logits.dim() == 2 and logits.is_floating_point(), f"logits must be float [B, V], got {logits.dtype} {tuple(logits.shape)}")
+    b, v = logits.shape
+    for name, t in rows.items():
+        check(t.shape == (b,), f"{name} must be [B={b}], got {tuple(t.shape)}")
+    check(logits.stride(-1) == 1, "logits must have a unit stride over V")
+    check(0 < v < 2**31 - _BLOCK_V, f"V must be in [1, 2**31), got {v}")
+    return b, v
+
+
 def gumbel_argmax_ref(logits: Tensor, temperature: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
     """PyTorch reference: the engine sampler with top-k and top-p off. logits [B, V] -> tokens [B] long."""
     from realtime.engines.sampling import sample as engine_sample
@@ -231,7 +248,7 @@ def gumbel_argmax_ref(logits: Tensor, temperature: Tensor, seeds: Tensor, steps:
 
 @functools.cache
 def _chunk_kernel():
-    _kernels()  # the shared jit helpers (_row_setup, _gumbel, _pdl_enter) into the module globals
+    _kernels()  # the shared jit helpers (_row_temp, _row_key, _gumbel, _pdl_enter) into the module globals
 
     @triton.jit
     def _gumbel_chunk_kernel(
@@ -251,9 +268,7 @@ def _chunk_kernel():
         _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
-        temp = tl.load(temp_ptr + row)  # (no top-k here: _row_setup's other half is not needed)
-        greedy = temp <= 0
-        temp = tl.where(greedy, 1.0, temp)
+        temp, greedy = _row_temp(temp_ptr, row)  # (no top-k here)
         key = _row_key(seed_ptr, step_ptr, row)
         idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
         valid = idx < V
@@ -278,12 +293,7 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor, steps: Ten
     """
     if not use_triton("gumbel_argmax", logits, temperature, seeds, steps):
         return gumbel_argmax_ref(logits, temperature, seeds, steps)
-    check(logits.dim() == 2 and logits.is_floating_point(), f"logits must be float [B, V], got {logits.dtype} {tuple(logits.shape)}")
-    b, v = logits.shape
-    for name, t in (("temperature", temperature), ("seeds", seeds), ("steps", steps)):
-        check(t.shape == (b,), f"{name} must be [B={b}], got {tuple(t.shape)}")
-    check(logits.stride(-1) == 1, "logits must have a unit stride over V")
-    check(0 < v < 2**31 - _BLOCK_V, f"V must be in [1, 2**31), got {v}")
+    b, v = _check_rows(logits, temperature=temperature, seeds=seeds, steps=steps)
     kernel = _chunk_kernel()
     if b == 0:
         return torch.empty(0, device=logits.device, dtype=torch.long)
@@ -350,12 +360,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
     """
     if not use_triton("sample", logits, temperature, top_k, seeds, steps):
         return sample_ref(logits, temperature, top_k, seeds, steps)
-    check(logits.dim() == 2 and logits.is_floating_point(), f"logits must be float [B, V], got {logits.dtype} {tuple(logits.shape)}")
-    b, v = logits.shape
-    for name, t in (("temperature", temperature), ("top_k", top_k), ("seeds", seeds), ("steps", steps)):
-        check(t.shape == (b,), f"{name} must be [B={b}], got {tuple(t.shape)}")
-    check(logits.stride(-1) == 1, "logits must have a unit stride over V")
-    check(0 < v < 2**31 - _BLOCK_V, f"V must be in [1, 2**31), got {v}")
+    b, v = _check_rows(logits, temperature=temperature, top_k=top_k, seeds=seeds, steps=steps)
     kernel, small_kernel = _kernels()
     out = torch.empty(b, device=logits.device, dtype=torch.long)
     if b == 0:
