@@ -56,8 +56,9 @@ def build(device: str, dtype: torch.dtype):  # noqa: ANN201
 
 
 def _sdpa_ring(self, q, k, v, qpos, kpos, window):  # noqa: ANN001, ANN202
-    diff = qpos[:, :, None] - kpos[:, None, :]
-    return self.attend(q, k, v, ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < window))[:, None])
+    from realtime.codecs.mimi import window_mask
+
+    return self.attend(q, k, v, window_mask(qpos, kpos, window))
 
 
 def time_step(step, out_ref, device: str) -> tuple[float, int | None]:  # noqa: ANN001

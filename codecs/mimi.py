@@ -415,6 +415,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """qpos [B, n], kpos [B, S] (-1: empty) -> bool [B, 1, n, S]: query t sees key s when
+    0 <= qpos[t] - kpos[s] < window."""
+    diff = qpos[:, :, None] - kpos[:, None, :]
+    return ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < window))[:, None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: MimiConfig) -> None:
         super().__init__()
@@ -478,8 +485,7 @@ class Attention(nn.Module):
             o = window_attention(q, k, v, qpos, kpos, window, self.scale)  # [B, n, H, D]
             b, t = o.shape[:2]
             return self.o_proj(o.reshape(b, t, self.h * self.d))
-        diff = qpos[:, :, None] - kpos[:, None, :]
-        return self.attend(q, k, v, ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < window))[:, None])
+        return self.attend(q, k, v, window_mask(qpos, kpos, window))
 
 
 class TransformerLayer(nn.Module):
@@ -620,9 +626,7 @@ class Transformer(nn.Module):
         if first:
             st.kv_pos.scatter_(1, ring, qpos[:, n - keep:])
         else:
-            kpos = torch.cat([st.kv_pos, qpos], dim=1)  # [B, Cw + n]
-            diff = qpos[:, :, None] - kpos[:, None, :]
-            mask = ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < self.window))[:, None]
+            mask = window_mask(qpos, torch.cat([st.kv_pos, qpos], dim=1), self.window)  # keys: [ring, new]
         idx = ring[:, None, :, None].expand(b, self.cfg.num_kv_heads, keep, self.cfg.head_dim)
         h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
