@@ -8,9 +8,9 @@
 source bench/h200_run.sh "$0" "$@"
 
 echo "== GPU tests"
-timeout 420 python3 -m pytest -q -s -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
+timeout 420 python3 -m pytest -q -s -rs -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
   tests/server/test_text_server.py > "$work/gpu_tests.log" 2>&1
-grep -E "passed|failed|error|FAILED| us, | ms/frame" "$work/gpu_tests.log" | cut -c1-200 | tail -40
+grep -E "passed|failed|error|FAILED|SKIPPED| us, | ms/frame" "$work/gpu_tests.log" | cut -c1-200 | tail -40
 
 echo "== Mimi switches"
 timeout 120 python3 bench/mimi.py --tf32-check --out "$work/mimi_h200.json" > "$work/mimi.log" 2>&1
