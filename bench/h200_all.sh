@@ -33,7 +33,7 @@ fi
 
 if [[ " $parts " == *" text "* ]]; then
 echo "== text decode"
-timeout 200 python3 bench/text.py --profile --l2-prefetch 16 32 48 --out "$work/text_h200.json" > "$work/text.log" 2>&1
+timeout 200 python3 bench/text.py --profile --l2-prefetch 32:bulk16k 32:line 32:load --out "$work/text_h200.json" > "$work/text.log" 2>&1
 grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity\|L2 p.*median\|L2 probe" | tail -28
 
 echo "== text decode, sampled (temperature 1, no top-k/top-p: the API default)"

@@ -151,21 +151,24 @@ def _profile_graphed(dec, slots: list[int], greedy: bool, steps: int, wall: floa
     print(table, flush=True)
 
 
-def prefetch_ab(model, budgets: list[int], prompt: int, steps: int, temperature: float, context: int,  # noqa: ANN001
+def prefetch_ab(model, variants: list[str], prompt: int, steps: int, temperature: float, context: int,  # noqa: ANN001
                 rounds: int = 3) -> dict:
-    """Batch 1, graphed and pipelined, with each L2 prefetch budget (MB per issue, 0 = off) in
-    turn, ``rounds`` times interleaved: tok/s, device-only ms a step, and whether the tokens
-    equal the budget-0 run's (a prefetch changes no value)."""
+    """Batch 1, graphed and pipelined, with each L2 prefetch variant ("MB" or "MB:CONFIG", MB per
+    issue, 0 = off) in turn, ``rounds`` times interleaved: tok/s, device-only ms a step, and
+    whether the tokens equal the first run's (a prefetch changes no value)."""
+    from realtime.kernels import prefetch
     from realtime.kernels.prefetch import use_l2_prefetch
+
     from realtime.text_service import BatchDecoder
 
-    before = use_l2_prefetch()
-    runs: dict[int, dict] = {mb: {"tokens_per_s": [], "device_ms": [], "same_tokens": True} for mb in budgets}
+    before, config = use_l2_prefetch(), prefetch._config
+    runs: dict[str, dict] = {v: {"tokens_per_s": [], "device_ms": [], "same_tokens": True} for v in variants}
     first: list[int] | None = None
     try:
         for r in range(rounds):
-            for mb in budgets:
-                use_l2_prefetch(mb)  # read when the decoder captures its graphs
+            for mb in variants:
+                budget, _, name = mb.partition(":")
+                use_l2_prefetch(int(budget), name or "bulk16k")  # read when the decoder captures its graphs
                 tps, toks = ours_tokens_per_s(model, 1, prompt, steps, True, temperature, context, pipelined=True)
                 dec = BatchDecoder(model, 1, context, cuda_graphs=True)  # a fresh one: device-only time
                 g = torch.Generator().manual_seed(1)
@@ -178,49 +181,17 @@ def prefetch_ab(model, budgets: list[int], prompt: int, steps: int, temperature:
                 runs[mb]["tokens_per_s"].append(tps)
                 runs[mb]["device_ms"].append(ms)
                 runs[mb]["same_tokens"] &= toks == first
-                log(f"L2 prefetch {mb} MB, round {r}: {tps:.0f} tok/s pipelined, device-only {ms:.3f} ms/step, "
+                log(f"L2 prefetch {mb}, round {r}: {tps:.0f} tok/s pipelined, device-only {ms:.3f} ms/step, "
                     f"tokens {'equal' if toks == first else 'DIFFER'}")
     finally:
         use_l2_prefetch(before)
+        prefetch._config = config
     for mb, v in runs.items():
         v["median_tokens_per_s"] = sorted(v["tokens_per_s"])[len(v["tokens_per_s"]) // 2]
         v["median_device_ms"] = sorted(v["device_ms"])[len(v["device_ms"]) // 2]
-        log(f"L2 prefetch {mb} MB: median {v['median_tokens_per_s']:.0f} tok/s, device-only {v['median_device_ms']:.3f} "
+        log(f"L2 prefetch {mb}: median {v['median_tokens_per_s']:.0f} tok/s, device-only {v['median_device_ms']:.3f} "
             f"ms/step, tokens equal to the first run: {v['same_tokens']}")
-    return {str(mb): v for mb, v in runs.items()}
-
-
-def l2_probe(device: torch.device, dtype: torch.dtype, reps: int = 21) -> list[dict]:
-    """Does a prefetch land in L2? A GEMV's time (CUDA events) on a weight just evicted from L2
-    (a 256 MB write), with and without ``l2_prefetch`` of that weight issued ~40 µs before it."""
-    from realtime.kernels import gemv
-    from realtime.kernels.prefetch import l2_prefetch
-
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    out = []
-    for n, k in ((2048, 2048), (6144, 2048), (12288, 2048)):
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        x = torch.randn(1, k, device=device, dtype=dtype)
-        gemv.linear(x, w)
-        row = {"shape": [n, k], "MB": w.numel() * w.element_size() / 2**20}
-        for pf in (False, True, False, True):
-            ts = []
-            for _ in range(reps):
-                flush.fill_(1)
-                if pf:
-                    l2_prefetch(w)
-                torch.cuda._sleep(80_000)  # ~40 µs: the prefetch's time to arrive
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                gemv.linear(x, w)
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1000)
-            row["prefetched_us" if pf else "cold_us"] = sorted(ts)[reps // 2]
-        log(f"L2 probe [{n}, {k}] {row['MB']:.0f} MB: GEMV {row['cold_us']:.1f} µs from HBM, "
-            f"{row['prefetched_us']:.1f} µs after a prefetch")
-        out.append(row)
-    return out
+    return runs
 
 
 @torch.inference_mode()
@@ -288,9 +259,9 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--profile", action="store_true", help="batch 1, graphed: device-only time and a kernel table")
-    ap.add_argument("--l2-prefetch", type=int, nargs="+", default=None, metavar="MB",
-                    help="also an A/B at batch 1 (graphed, pipelined) of these L2 prefetch budgets, 0 = off "
-                         "(kernels/prefetch.py), plus a probe of a GEMV's time after a prefetch")
+    ap.add_argument("--l2-prefetch", nargs="+", default=None, metavar="MB[:CONFIG]",
+                    help="also an A/B at batch 1 (graphed, pipelined) of these L2 prefetch budgets, 0 = off, each "
+                         "optionally with a kernels.prefetch.CONFIGS name (bench/l2_prefetch.py probes them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "text.json"))
     args = ap.parse_args()
 
@@ -344,9 +315,8 @@ def main() -> int:
         log(f"weights read per step {weight_bytes / 1e9:.3f} GB → floor {bw / weight_bytes:.0f} tok/s at batch 1")
 
         if args.l2_prefetch and device.type == "cuda":
-            results["l2_probe"] = l2_probe(device, dtype)
-            budgets = [0] + [mb for mb in args.l2_prefetch if mb != 0]
-            results["l2_prefetch_ab"] = prefetch_ab(ours, budgets, args.prompt, steps, args.temperature, context)
+            variants = ["0"] + [v for v in args.l2_prefetch if v != "0"]
+            results["l2_prefetch_ab"] = prefetch_ab(ours, variants, args.prompt, steps, args.temperature, context)
         modes = [(g, False) for g in graph_modes] + ([(True, True)] if True in graph_modes else [])
         for b in batches:
             for graphs, pipelined in modes:

@@ -26,10 +26,8 @@ from torch import Tensor
 
 from ._triton import _capability, check, interpret_mode, triton_available
 
-__all__ = ["CHUNK_BYTES", "l2_prefetch", "supported", "Prefetcher", "use_l2_prefetch"]
+__all__ = ["CONFIGS", "l2_prefetch", "supported", "Prefetcher", "use_l2_prefetch"]
 
-CHUNK_BYTES = 16 << 10  # bytes per bulk prefetch instruction (a multiple of 16)
-_BLOCK = 256  # chunks per program (one per thread at 8 warps)
 
 
 def _env_mb() -> int:
@@ -47,15 +45,19 @@ def _env_mb() -> int:
 _BUDGET_MB = _env_mb()
 
 
-def use_l2_prefetch(budget_mb: int | None = None) -> int:
-    """The decode step's prefetch budget in MB per issue (0 = off); ``budget_mb`` sets it.
+def use_l2_prefetch(budget_mb: int | None = None, config: str | None = None) -> int:
+    """The decode step's prefetch budget in MB per issue (0 = off); ``budget_mb`` sets it, and
+    ``config`` (a ``CONFIGS`` name) how the prefetch is issued.
 
     From REALTIME_L2_PREFETCH: 0 (default, off), 1 (32 MB), or a number of MB. Read when a step
     runs (or is captured): a CUDA graph keeps what was set at capture."""
-    global _BUDGET_MB
+    global _BUDGET_MB, _config
     if budget_mb is not None:
         check(budget_mb >= 0, f"the prefetch budget must be >= 0 MB, got {budget_mb}")
         _BUDGET_MB = int(budget_mb)
+    if config is not None:
+        check(config in CONFIGS, f"unknown prefetch config {config!r}; one of {sorted(CONFIGS)}")
+        _config = CONFIGS[config]
     return _BUDGET_MB
 
 
@@ -68,6 +70,19 @@ def supported(t: Tensor) -> bool:
     return _capability(index) >= (9, 0) and t.data_ptr() % 16 == 0
 
 
+# A launch configuration: (mode, bytes per lane or program, lanes per program, warps).
+#   "bulk": each lane one ``cp.async.bulk.prefetch.L2`` of up to CHUNK bytes (sm90's TMA unit);
+#   "line": each lane one ``prefetch.global.L2`` of a 128-byte line (the load/store unit);
+#   "load": each program reads CHUNK bytes into registers and keeps one word (plain loads: the
+#           bytes go through the SM, like the GEMV's own reads).
+Config = tuple
+CONFIGS: dict[str, Config] = {
+    "bulk16k": ("bulk", 16 << 10, 4, 1), "bulk4k": ("bulk", 4 << 10, 4, 1), "bulk64k": ("bulk", 64 << 10, 1, 1),
+    "line": ("line", 128, 512, 4), "load": ("load", 16 << 10, 4096, 4),
+}
+_config: Config = CONFIGS["bulk16k"]
+
+
 @functools.cache
 def _kernel():
     global triton, tl  # the jit'd function resolves `tl` through module globals
@@ -78,30 +93,49 @@ def _kernel():
     def _prefetch_kernel(
         base_ptr,  # *u8, 16-byte aligned: the first byte to fetch
         nbytes,  # bytes to fetch from base_ptr (i64)
-        CHUNK: tl.constexpr,  # bytes per instruction, a multiple of 16
-        BLOCK: tl.constexpr,  # chunks per program
+        sink_ptr,  # *i32 [programs]: "load" mode's one word per program (unused otherwise)
+        MODE: tl.constexpr,  # 0 bulk, 1 line, 2 load
+        CHUNK: tl.constexpr,  # bytes per lane (bulk: a multiple of 16; line: 128) or per program (load)
+        BLOCK: tl.constexpr,  # lanes per program (load: 32-bit words per program, CHUNK // 4)
     ):
-        # Each lane issues one bulk L2 prefetch of up to CHUNK bytes (the tail clipped down to a
-        # multiple of 16; lanes past the end issue nothing). No value comes back: the asm's output
-        # is a dummy, and the asm is impure so it is not removed.
-        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        off = idx * CHUNK
-        size = tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32) // 16 * 16
-        tl.inline_asm_elementwise(
-            asm="""{
-            .reg .pred p;
-            setp.gt.s32 p, $2, 0;
-            @p cp.async.bulk.prefetch.L2.global [$1], $2;
-            mov.u32 $0, 0;
-            }""",
-            constraints="=r,l,r", args=[base_ptr + off, size], dtype=tl.int32, is_pure=False, pack=1)
+        pid = tl.program_id(0).to(tl.int64)
+        if MODE == 2:
+            # Plain loads: the words are read and folded into one, stored so the loads stay.
+            words = base_ptr.to(tl.pointer_type(tl.int32))
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(words + offs, mask=offs < nbytes // 4, other=0)
+            tl.store(sink_ptr + pid, tl.xor_sum(x, 0))
+        else:
+            # One instruction per lane; lanes past the end issue nothing. No value comes back: the
+            # asm's output is a dummy, and the asm is impure so it is not removed.
+            off = (pid * BLOCK + tl.arange(0, BLOCK)) * CHUNK
+            size = tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32) // 16 * 16
+            if MODE == 0:
+                tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .pred p;
+                    setp.gt.s32 p, $2, 0;
+                    @p cp.async.bulk.prefetch.L2.global [$1], $2;
+                    mov.u32 $0, 0;
+                    }""",
+                    constraints="=r,l,r", args=[base_ptr + off, size], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise(
+                    asm="""{
+                    .reg .pred p;
+                    setp.gt.s32 p, $2, 0;
+                    @p prefetch.global.L2 [$1];
+                    mov.u32 $0, 0;
+                    }""",
+                    constraints="=r,l,r", args=[base_ptr + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
     return _prefetch_kernel
 
 
-def l2_prefetch(t: Tensor, max_bytes: int | None = None) -> int:
+def l2_prefetch(t: Tensor, max_bytes: int | None = None, config: Config | None = None) -> int:
     """Ask the L2 to fetch ``t``'s storage (its first ``max_bytes`` at most) on the current stream;
-    returns the bytes requested (0 where unsupported: see ``supported``). ``t`` must be contiguous."""
+    returns the bytes requested (0 where unsupported: see ``supported``). ``t`` must be contiguous.
+    ``config``: one of ``CONFIGS`` (default: the one ``use_l2_prefetch`` set)."""
     check(t.is_contiguous(), "l2_prefetch needs a contiguous tensor")
     if not supported(t):
         return 0
@@ -111,10 +145,24 @@ def l2_prefetch(t: Tensor, max_bytes: int | None = None) -> int:
     nbytes = nbytes // 16 * 16
     if nbytes <= 0:
         return 0
+    mode, chunk, block, warps = config or _config
     kernel = _kernel()
-    grid = (triton.cdiv(triton.cdiv(nbytes, CHUNK_BYTES), _BLOCK),)
-    kernel[grid](t.view(-1).view(torch.uint8), nbytes, CHUNK=CHUNK_BYTES, BLOCK=_BLOCK, num_warps=_BLOCK // 32)
+    per_program = chunk if mode == "load" else chunk * block
+    grid = (triton.cdiv(nbytes, per_program),)
+    sink = _sink(t.device, grid[0]) if mode == "load" else t
+    kernel[grid](t.view(-1).view(torch.uint8), nbytes, sink, MODE=("bulk", "line", "load").index(mode), CHUNK=chunk,
+                 BLOCK=chunk // 4 if mode == "load" else block, num_warps=warps)
     return nbytes
+
+
+_sinks: dict[torch.device, Tensor] = {}
+
+
+def _sink(device: torch.device, n: int) -> Tensor:
+    """A scratch word per program for "load" mode (grown, never shrunk: graphs keep its address)."""
+    if device not in _sinks or _sinks[device].numel() < n:
+        _sinks[device] = torch.empty(max(n, 4096), dtype=torch.int32, device=device)
+    return _sinks[device]
 
 
 _local = threading.local()

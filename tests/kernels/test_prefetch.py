@@ -23,9 +23,10 @@ from realtime.kernels.prefetch import Prefetcher, l2_prefetch, use_l2_prefetch
 @pytest.fixture
 def budget():
     """Restore the process-wide budget after a test changes it."""
-    before = use_l2_prefetch()
+    before, config = use_l2_prefetch(), prefetch._config
     yield use_l2_prefetch
     use_l2_prefetch(before)
+    prefetch._config = config
 
 
 @pytest.mark.parametrize("raw, mb", [("0", 0), ("", 0), ("off", 0), ("1", 32), ("on", 32), ("24", 24)])
@@ -59,11 +60,15 @@ from triton.backends.compiler import GPUTarget
 from realtime.kernels import prefetch
 
 fn = prefetch._kernel()
-sig = {"base_ptr": "*u8", "nbytes": "i64", "CHUNK": "constexpr", "BLOCK": "constexpr"}
-src = ASTSource(fn, sig, constexprs={(2,): prefetch.CHUNK_BYTES, (3,): 256})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-assert k.asm["cubin"], "no cubin"
-assert "cp.async.bulk.prefetch.L2.global" in k.asm["ptx"], "the prefetch instruction is missing"
+sig = {"base_ptr": "*u8", "nbytes": "i64", "sink_ptr": "*i32", "MODE": "constexpr", "CHUNK": "constexpr",
+       "BLOCK": "constexpr"}
+want = {"bulk": "cp.async.bulk.prefetch.L2.global", "line": "prefetch.global.L2", "load": "ld.global"}
+for name, (mode, chunk, block, warps) in prefetch.CONFIGS.items():
+    m = ("bulk", "line", "load").index(mode)
+    src = ASTSource(fn, sig, constexprs={(3,): m, (4,): chunk, (5,): chunk // 4 if mode == "load" else block})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert k.asm["cubin"], name
+    assert want[mode] in k.asm["ptx"], f"{name}: {want[mode]} is missing"
 print("compiled")
 """
 
@@ -79,23 +84,26 @@ def test_prefetch_kernel_compiles_for_sm90(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_prefetch_sizes():
+@pytest.mark.parametrize("config", sorted(prefetch.CONFIGS))
+def test_gpu_prefetch_sizes(config):
     dev = torch.device("cuda")
+    cfg = prefetch.CONFIGS[config]
     for nbytes, cap in [(16, None), (17, None), (48, 20), (16384, None), (16400, None), ((3 << 20) + 40, None),
                         (34 << 20, 24 << 20), (15, None)]:
         t = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
         before = t.clone()
         want = min(nbytes, cap if cap is not None else nbytes) // 16 * 16
-        assert l2_prefetch(t, cap) == want
+        assert l2_prefetch(t, cap, cfg) == want
         torch.cuda.synchronize()
         assert torch.equal(t, before)
     w = torch.randn(1000, 37, dtype=torch.bfloat16, device=dev)  # 74,000 bytes: a tail of 16 + 4
-    assert l2_prefetch(w) == 74000 // 16 * 16
+    assert l2_prefetch(w, None, cfg) == 74000 // 16 * 16
     torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
-def test_gpu_decode_with_prefetch_equals_without(budget):
+@pytest.mark.parametrize("config", sorted(prefetch.CONFIGS))
+def test_gpu_decode_with_prefetch_equals_without(budget, config):
     from torch.profiler import ProfilerActivity, profile
 
     from realtime.cuda_graphs import capture
@@ -119,6 +127,7 @@ def test_gpu_decode_with_prefetch_equals_without(budget):
         return c
 
     outs = {}
+    budget(config=config)
     with torch.no_grad():
         for mb in (0, 1, 64):  # off, a budget that cuts o|gate_up short, more than everything
             budget(mb)
