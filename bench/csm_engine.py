@@ -99,8 +99,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=["eager", "graphed", "graphed_kernels"],
                     help="eager | graphed (plain PyTorch ops) | graphed_kernels (the fast path: Triton RMSNorm+residual, "
                          "RoPE + cache write, decode attention, fused sampler, fused q|k|v and gate|up, the decode "
-                         "GEMV where it beats cuBLAS) | graphed_kernels_nogemv (the fast path with cuBLAS only) | "
-                         "graphed_kernels_pfN (the fast path with an N MB L2 prefetch per issue, kernels/prefetch.py)")
+                         "GEMV where it beats cuBLAS) | graphed_kernels_nogemv (the fast path with cuBLAS only)")
     ap.add_argument("--variant-batches", type=int, nargs="+", default=None,
                     help="batch sizes for every variant but the last (default: --batches)")
     args = ap.parse_args()
@@ -146,16 +145,12 @@ def main() -> int:
     import realtime.engines.transformer as tr
     from realtime.engines.transformer import use_kernels
 
-    from realtime.kernels.prefetch import use_l2_prefetch
-
     n_slots = max(args.batches)
     gemv_env = tr._GEMV
-    pf_env = use_l2_prefetch()
     for tag in args.variants:
         graphs = tag != "eager"
         use_kernels("kernels" in tag)  # before loading: the fast path also fuses the projections at load
         tr._GEMV = "0" if "nogemv" in tag else gemv_env  # the decode GEMV is chosen per shape at load
-        use_l2_prefetch(int(tag.split("_pf")[1]) if "_pf" in tag else pf_env)  # read at graph capture
         log(f"ours ({tag}): loading + capture")
         t0 = time.perf_counter()
         b = CSMBackend(str(folder), "cuda", "cuda", torch.bfloat16, n_slots=n_slots, max_seq_len=1024,

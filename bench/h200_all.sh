@@ -7,7 +7,6 @@
 #    sweep of 1..256 streams (underruns, GC pauses). It writes a JSON and the PNG plot.
 # 3. bench/text.py: Llama-3.2-1B shapes, batch 1/8/32/128, read-each-step and pipelined, next to HF;
 #    then sampled decoding (temperature 1, the API default) at batch 1/8/128.
-# Both CSM and text also time the L2 prefetch (kernels/prefetch.py) against none, at batch 1.
 # COMMIT, OUT_DIR and the one results.tgz: see bench/h200_run.sh. PARTS (env) picks a subset,
 # e.g. PARTS="text csm" (default: csm tts text), to split the run over two calls when one would
 # pass the device's 10-minute limit.
@@ -16,8 +15,7 @@ parts="${PARTS:-csm tts text}"
 
 if [[ " $parts " == *" csm "* ]]; then
 echo "== CSM engine (builds a random CSM-1B in /tmp/csm1b on first use)"
-timeout 300 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 8 64 \
-  --variants graphed_kernels_pf32 graphed_kernels --variant-batches 1 \
+timeout 300 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 8 64 --variants graphed_kernels \
   --frames 48 --out "$work/csm_engine_h200.json" > "$work/csm_engine.log" 2>&1
 grep "^\[" "$work/csm_engine.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|Mimi\|HF" | cut -c1-170
 fi
@@ -33,8 +31,8 @@ fi
 
 if [[ " $parts " == *" text "* ]]; then
 echo "== text decode"
-timeout 200 python3 bench/text.py --profile --l2-prefetch 32:bulk16k 32:line 32:load --out "$work/text_h200.json" > "$work/text.log" 2>&1
-grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity\|L2 p.*median\|L2 probe" | tail -28
+timeout 200 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
+grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity" | tail -20
 
 echo "== text decode, sampled (temperature 1, no top-k/top-p: the API default)"
 timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --out "$work/text_h200_sampled.json" \

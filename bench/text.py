@@ -117,31 +117,26 @@ def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, 
     return batch * steps / dt, first
 
 
-def _device_only(dec, slots: list[int], greedy: bool, n: int = 16) -> tuple:  # noqa: ANN001
-    """(the step's graph, its device-only ms a step): n replays back to back over positions the
-    timed loop already used (so they stay inside the cache)."""
-    mode = dec._mode(greedy, filtered=False)
-    graph = next(g for (size, m), (g, _, _) in dec._graphs.items() if m == mode and size >= len(slots))
-    dec.pos[:dec.n_slots].sub_(n)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        graph.replay()
-    torch.cuda.synchronize()
-    return graph, 1000 * (time.perf_counter() - t0) / n
-
-
 def _profile_graphed(dec, slots: list[int], greedy: bool, steps: int, wall: float, out: dict) -> None:  # noqa: ANN001
     """Where a graphed step's time goes: the device-only time (the step's graph replayed back to back,
     no token read between steps) next to the served loop's wall time, and the per-kernel table."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, device_ms = _device_only(dec, slots, greedy)
+    mode = dec._mode(greedy, filtered=False)
+    graph = next(g for (size, m), (g, _, _) in dec._graphs.items() if m == mode and size >= len(slots))
+    n = 16
+    dec.pos[:dec.n_slots].sub_(n)  # replay over positions the timed loop already used (stays inside the cache)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    device_ms = 1000 * (time.perf_counter() - t0) / n
     out["device_only_ms_per_step"] = device_ms
     out["served_loop_ms_per_step"] = 1000 * wall / steps
     log(f"batch {len(slots)}: device-only {device_ms:.3f} ms/step (graph replays back to back), served loop "
         f"{1000 * wall / steps:.3f} ms/step (a token read each step)")
-    dec.pos[:dec.n_slots].sub_(16)
+    dec.pos[:dec.n_slots].sub_(n)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
             graph.replay()
@@ -149,49 +144,6 @@ def _profile_graphed(dec, slots: list[int], greedy: bool, steps: int, wall: floa
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=24)
     out["kernels"] = table
     print(table, flush=True)
-
-
-def prefetch_ab(model, variants: list[str], prompt: int, steps: int, temperature: float, context: int,  # noqa: ANN001
-                rounds: int = 3) -> dict:
-    """Batch 1, graphed and pipelined, with each L2 prefetch variant ("MB" or "MB:CONFIG", MB per
-    issue, 0 = off) in turn, ``rounds`` times interleaved: tok/s, device-only ms a step, and
-    whether the tokens equal the first run's (a prefetch changes no value)."""
-    from realtime.kernels import prefetch
-    from realtime.kernels.prefetch import use_l2_prefetch
-
-    from realtime.text_service import BatchDecoder
-
-    before, config = use_l2_prefetch(), prefetch._config
-    runs: dict[str, dict] = {v: {"tokens_per_s": [], "device_ms": [], "same_tokens": True} for v in variants}
-    first: list[int] | None = None
-    try:
-        for r in range(rounds):
-            for mb in variants:
-                budget, _, name = mb.partition(":")
-                use_l2_prefetch(int(budget), name or "bulk16k")  # read when the decoder captures its graphs
-                tps, toks = ours_tokens_per_s(model, 1, prompt, steps, True, temperature, context, pipelined=True)
-                dec = BatchDecoder(model, 1, context, cuda_graphs=True)  # a fresh one: device-only time
-                g = torch.Generator().manual_seed(1)
-                dec.start(0, torch.randint(0, model.vocab_size, (prompt,), generator=g).tolist(), temperature, 0, 1.0, seed=0)
-                for _ in range(20):
-                    dec.step([0], temperature <= 0, filtered=False)
-                _, ms = _device_only(dec, [0], temperature <= 0)
-                del dec
-                first = toks if first is None else first
-                runs[mb]["tokens_per_s"].append(tps)
-                runs[mb]["device_ms"].append(ms)
-                runs[mb]["same_tokens"] &= toks == first
-                log(f"L2 prefetch {mb}, round {r}: {tps:.0f} tok/s pipelined, device-only {ms:.3f} ms/step, "
-                    f"tokens {'equal' if toks == first else 'DIFFER'}")
-    finally:
-        use_l2_prefetch(before)
-        prefetch._config = config
-    for mb, v in runs.items():
-        v["median_tokens_per_s"] = sorted(v["tokens_per_s"])[len(v["tokens_per_s"]) // 2]
-        v["median_device_ms"] = sorted(v["device_ms"])[len(v["device_ms"]) // 2]
-        log(f"L2 prefetch {mb}: median {v['median_tokens_per_s']:.0f} tok/s, device-only {v['median_device_ms']:.3f} "
-            f"ms/step, tokens equal to the first run: {v['same_tokens']}")
-    return runs
 
 
 @torch.inference_mode()
@@ -259,9 +211,6 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--profile", action="store_true", help="batch 1, graphed: device-only time and a kernel table")
-    ap.add_argument("--l2-prefetch", nargs="+", default=None, metavar="MB[:CONFIG]",
-                    help="also an A/B at batch 1 (graphed, pipelined) of these L2 prefetch budgets, 0 = off, each "
-                         "optionally with a kernels.prefetch.CONFIGS name (bench/l2_prefetch.py probes them)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "text.json"))
     args = ap.parse_args()
 
@@ -314,9 +263,6 @@ def main() -> int:
         results["floor_tokens_per_s_batch1"] = bw / weight_bytes
         log(f"weights read per step {weight_bytes / 1e9:.3f} GB → floor {bw / weight_bytes:.0f} tok/s at batch 1")
 
-        if args.l2_prefetch and device.type == "cuda":
-            variants = ["0"] + [v for v in args.l2_prefetch if v != "0"]
-            results["l2_prefetch_ab"] = prefetch_ab(ours, variants, args.prompt, steps, args.temperature, context)
         modes = [(g, False) for g in graph_modes] + ([(True, True)] if True in graph_modes else [])
         for b in batches:
             for graphs, pipelined in modes:

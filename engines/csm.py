@@ -216,7 +216,6 @@ class CSM(nn.Module):
         self.lm_head = nn.Linear(d, v, bias=False)  # codebook 0
         self.depth_projector = nn.Linear(d, dd, bias=False)
         self.depth = Transformer(config.depth)
-        self.depth.prefetch_wrap = True  # its passes run back to back: the next pass starts at layer 0
         self.codebooks_head = nn.Parameter(torch.zeros(k - 1, dd, v))  # codebook k uses [k-1]: h @ W
         self.register_buffer("audio_offsets", torch.arange(k) * v, persistent=False)
         # Set by fuse_projections on CUDA: codebook heads as [K-1, V, Dd] (nn.Linear layout, for the

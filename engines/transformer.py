@@ -468,10 +468,6 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """Decoder layers + final RMSNorm (no embedding, no LM head)."""
 
-    # With the L2 prefetch on, whether the last layer's prefetch fetches the first layer's q|k|v
-    # weight (a stack that runs again right after, like CSM's depth decoder, sets it).
-    prefetch_wrap = False
-
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -590,40 +586,20 @@ class Transformer(nn.Module):
         from realtime.kernels.decode_attention import decode_attention
         from realtime.kernels.rotary import rotary_cache_write
 
-        from realtime.kernels.prefetch import Prefetcher
-
         cfg = self.cfg
         b = x.shape[0]
         cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
         pos = pos.contiguous()  # once here, not in every layer's kernel call
         lengths = pos + 1  # keys 0..pos are valid for this query
-        # L2 prefetch (off unless REALTIME_L2_PREFETCH is set; see kernels/prefetch.py): once the
-        # q|k|v GEMV is done, o's and gate|up's weights are fetched while rotary, attention and
-        # its merge run; once the down GEMV is done, the next layer's q|k|v weight (for the last
-        # layer with ``prefetch_wrap``, the first layer's: the next step's).
-        pf = Prefetcher.for_step(x)
-        following = {layer: nxt for layer, nxt in zip(self.layers, self.layers[1:])}
-        if self.prefetch_wrap:
-            following[self.layers[-1]] = self.layers[0]
 
         def attend(i: int, layer: DecoderLayer, h: Tensor) -> Tensor:
             att = layer.self_attn
             qkv = project(h, att.qkv_weight, att.qkv_bias, att.gemv_qkv)
-            if pf is not None:
-                pf.issue(att.o_proj.weight, layer.mlp.gate_up_weight)
             q = rotary_cache_write(qkv, cos, sin, pos, cache.k[i], cache.v[i], slots, cfg.n_heads, cfg.n_kv_heads)
             o = decode_attention(q, cache.k[i], cache.v[i], slots, lengths).reshape(b, cfg.n_heads * cfg.head_dim)
             return project_to_norm(o, att.o_proj.weight, att.o_proj.bias, att.gemv_o)
 
-        def mlp(layer: DecoderLayer, h: Tensor) -> Any:
-            out = layer.mlp.decode(h)
-            if pf is not None and layer in following:
-                pf.issue(following[layer].self_attn.qkv_weight)
-            return out
-
-        h = self._fused_norm_loop(x.reshape(b, cfg.dim).contiguous(), attend, mlp)
-        if pf is not None:
-            pf.join()
+        h = self._fused_norm_loop(x.reshape(b, cfg.dim).contiguous(), attend, lambda layer, h: layer.mlp.decode(h))
         return h.view(b, 1, cfg.dim)
 
     def fuse_projections(self) -> None:
