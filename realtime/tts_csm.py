@@ -342,22 +342,31 @@ class CSMBackend(TTSBackend):
             self.decoder.reset(mask.to(self.codec_device))
 
     def decode_slots(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """One streaming decoder step for the given slots only: codes [B, K, 1] → [B, 1, 1920]."""
+        """One streaming decoder step for the given slots only: slots [B], codes [B, K, 1] (host
+        tensors) → float32 PCM [B, 1, 1920] on the codec device.
+
+        Graphed: slots and codes are packed on the host into one pinned [bucket, 1 + K] buffer
+        (padding rows point at the scratch slot) and reach the graph's input in one copy."""
         # The generator's vocabulary has a few non-audio ids above the codec's codebook (pad and
         # friends); a trained model never emits them mid-speech, random weights can. Clamp so a
         # stray id is a click, not a device-side assert.
-        codes = codes.clamp(0, self.codebook_size - 1).to(self.codec_device, non_blocking=True)
-        if self.decode_graphs is not None:
+        if self.decode_graphs is not None and codes.shape[1] == self.csm.num_codebooks:
             n = len(slots)
+            host = self._dec_host[self.decode_graphs.bucket(n)]
+            self._dec_copied.synchronize()  # the previous call's copy has left the pinned buffer
+            h = host.numpy()
+            h[:, 0] = self.scratch
+            h[:n, 0] = slots.cpu().numpy()
+            h[n:, 1:] = 0
+            np.clip(codes.cpu().reshape(n, -1).numpy(), 0, self.codebook_size - 1, out=h[:n, 1:])
 
             def fill(inp: list[torch.Tensor]) -> None:
-                inp[0].fill_(self.scratch)
-                inp[0][:n].copy_(slots, non_blocking=True)
-                inp[1].zero_()
-                inp[1][:n].copy_(codes)
+                inp[0].copy_(host, non_blocking=True)
+                self._dec_copied.record(torch.cuda.current_stream(inp[0].device))
 
             return self.decode_graphs.run(n, fill)[:n]
-        return self._decode_subset(slots.to(self.codec_device), codes)
+        codes = codes.clamp(0, self.codebook_size - 1).to(self.codec_device, non_blocking=True)
+        return self._decode_subset(slots.to(self.codec_device), codes).float()
 
     def pcm_to_host(self, pcm: torch.Tensor) -> np.ndarray:
         """Decoder output [B, 1, N] → float32 [B, N] on the host, one copy for the batch. On CUDA the
@@ -377,6 +386,10 @@ class CSMBackend(TTSBackend):
     def _decode_subset(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """The slots' decoder step: their state gathered, stepped and written back (graph-capturable)."""
         return self.decoder.step(codes, slots=idx)
+
+    def _decode_packed(self, packed: torch.Tensor) -> torch.Tensor:
+        """The graphed decode: packed [B, 1 + K] = slot | codes -> float32 PCM [B, 1, 1920]."""
+        return self._decode_subset(packed[:, 0], packed[:, 1:, None]).float()
 
     def encode_reference(self, wav: bytes) -> torch.Tensor:
         """A WAV file's bytes → Mimi codes [F, K] (mono, resampled to 24 kHz)."""
@@ -424,11 +437,16 @@ class CSMBackend(TTSBackend):
                  self.prefill_graphs.lengths, time.perf_counter() - t0)
 
         def dec_inputs(b: int) -> list[torch.Tensor]:
-            return [torch.full((b,), self.scratch, dtype=torch.long, device=cdev),
-                    torch.zeros(b, k, 1, dtype=torch.long, device=cdev)]
+            packed = torch.zeros(b, 1 + k, dtype=torch.long, device=cdev)
+            packed[:, 0] = self.scratch
+            return [packed]
 
-        self.decode_graphs = BucketGraphs("mimi.decode", self._decode_subset, dec_inputs, buckets)
+        self.decode_graphs = BucketGraphs("mimi.decode", self._decode_packed, dec_inputs, buckets)
         self.decode_graphs.capture()
+        # decode_slots' pinned staging buffer per bucket, and the event of its last copy out
+        self._dec_host = {b: torch.zeros(b, 1 + k, dtype=torch.long, pin_memory=True) for b in buckets}
+        with torch.cuda.device(cdev):
+            self._dec_copied = torch.cuda.Event()
 
     def warmup(self) -> None:
         t0 = time.perf_counter()
