@@ -10,7 +10,8 @@ CUDA each step is captured in a CUDA graph and replayed back to back (median of 
 warm-up replays), with its kernel count from the profiler; on the CPU it runs eagerly.
 
 Variants: the SEANet convs in NCW or channels-last (``channels_last``), and the streaming attention
-as the Triton window kernel or as SDPA with the same mask. ``--tf32-check`` (CUDA) also steps the
+as the Triton window kernel (which also writes the step's keys into the ring), the kernel after two
+scatters, or SDPA with the same mask. ``--tf32-check`` (CUDA) also steps the
 same slots as a batch of 3 and of 4 in float32, per layout and TF32 setting: why float32 keeps NCW.
 The outputs of all variants are compared with the first over 24 frames.
 """
@@ -55,10 +56,22 @@ def build(device: str, dtype: torch.dtype):  # noqa: ANN201
     return m
 
 
-def _sdpa_ring(self, q, k, v, qpos, kpos, window):  # noqa: ANN001, ANN202
+def _sdpa_ring(self, q, k, v, qpos, kpos, window, new):  # noqa: ANN001, ANN202
+    """The ring attention as cuDNN SDPA with the position mask, after two scatters of the new keys."""
     from realtime.codecs.mimi import window_mask
+    from realtime.kernels.window_attention import ring_write_ref
 
+    ring_write_ref(k, v, *new)
     return self.attend(q, k, v, window_mask(qpos, kpos, window))
+
+
+def _scatter_then_kernel(self, q, k, v, qpos, kpos, window, new):  # noqa: ANN001, ANN202
+    """The window kernel after two scatters of the new keys (the ring write outside the kernel)."""
+    from realtime.kernels.window_attention import ring_write_ref, window_attention
+
+    ring_write_ref(k, v, *new)
+    o = window_attention(q, k, v, qpos, kpos, window, self.scale)
+    return self.o_proj(o.reshape(o.shape[0], o.shape[1], self.h * self.d))
 
 
 def time_step(step, out_ref, device: str) -> tuple[float, int | None]:  # noqa: ANN001
@@ -137,7 +150,8 @@ def main() -> int:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     m = build(dev, dtype)
     kernel_ring = mimi.Attention.attend_ring
-    attn = [("window kernel", kernel_ring)] + ([("SDPA", _sdpa_ring)] if dev == "cuda" else [])
+    attn = [("window kernel", kernel_ring)] + ([("kernel + scatters", _scatter_then_kernel), ("SDPA", _sdpa_ring)]
+                                                if dev == "cuda" else [])
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype), "rows": [],
            "commit": commit()}

@@ -475,16 +475,21 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.h * self.d))
 
     def attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
-                    kpos: torch.Tensor, window: int) -> torch.Tensor:
+                    kpos: torch.Tensor, window: int, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``attend`` over a KV ring by positions: q [B, H, n, D] at qpos [B, n], k/v [B, Hkv, C, D]
-        at kpos [B, C] (-1 empty); a query sees keys 0 <= qpos - kpos < window -> [B, n, C_out]. On
-        CUDA one Triton kernel (``kernels.window_attention``), which writes the layout o_proj reads."""
+        at kpos [B, C] (-1 empty); a query sees keys 0 <= qpos - kpos < window -> [B, n, C_out].
+        ``new`` = (k_new, v_new [B, Hkv, n, D], ring [B, n]): the step's keys, written into the ring
+        at those slots first. On CUDA one Triton kernel (``kernels.window_attention``) does the
+        write and the attention and writes the layout o_proj reads."""
         if use_kernels() and q.is_cuda:
             from realtime.kernels.window_attention import window_attention
 
-            o = window_attention(q, k, v, qpos, kpos, window, self.scale)  # [B, n, H, D]
+            o = window_attention(q, k, v, qpos, kpos, window, self.scale, new)  # [B, n, H, D]
             b, t = o.shape[:2]
             return self.o_proj(o.reshape(b, t, self.h * self.d))
+        from realtime.kernels.window_attention import ring_write_ref
+
+        ring_write_ref(k, v, *new)
         return self.attend(q, k, v, window_mask(qpos, kpos, window))
 
 
@@ -633,9 +638,7 @@ class Transformer(nn.Module):
             q, k, v = layer.self_attn.qkv(h, cos, sin)
             kc, vc = st.k[i], st.v[i]
             if first:
-                kc.scatter_(2, idx, k)
-                vc.scatter_(2, idx, v)
-                a = layer.self_attn.attend_ring(q, kc, vc, qpos, st.kv_pos, self.window)
+                a = layer.self_attn.attend_ring(q, kc, vc, qpos, st.kv_pos, self.window, (k, v, ring))
             else:
                 a = layer.self_attn.attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
                 kc.scatter_(2, idx, k[:, :, n - keep:])

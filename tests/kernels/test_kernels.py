@@ -35,7 +35,7 @@ from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_partials, add_rmsn
 from realtime.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cache_write, rotary_cache_write_ref  # noqa: E402
 from realtime.kernels.sampling import sample, sample_ref  # noqa: E402
 from realtime.kernels.layernorm import scale_add_layernorm, scale_add_layernorm_ref  # noqa: E402
-from realtime.kernels.window_attention import window_attention, window_attention_ref  # noqa: E402
+from realtime.kernels.window_attention import ring_write_ref, window_attention, window_attention_ref  # noqa: E402
 
 # (rtol, atol) per dtype. bf16 has an 8-bit mantissa: 1 ulp is 2**-7 relative; the CPU
 # interpreter's truncating casts can add up to ~2 more ulps through a chain of roundings.
@@ -321,15 +321,32 @@ def _win_inputs(b, h, hkv, n, c, d, positions, dtype, device="cpu", seed=0):
     return q, k, v, qpos.to(device), kpos.to(device)
 
 
+def _win_new(b, hkv, n, d, qpos, c, dtype, device="cpu", seed=1):
+    """The step's own keys and values [B, Hkv, n, D] (strided, as Mimi's q|k|v split leaves them)
+    and their ring slots qpos % C."""
+    g = torch.Generator().manual_seed(seed)
+    k_new = torch.randn(b, n, hkv, d, generator=g).to(device, dtype).transpose(1, 2)
+    v_new = torch.randn(b, n, hkv, d, generator=g).to(device, dtype).transpose(1, 2)
+    return k_new, v_new, (qpos % c).contiguous()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", WIN_CASES)
-def test_window_attention(cpu_kernels, case, dtype):
+@pytest.mark.parametrize("write", [False, True], ids=["ring", "write+ring"])
+def test_window_attention(cpu_kernels, case, dtype, write):
     b, h, hkv, n, c, d, window, positions = case
     q, k, v, qpos, kpos = _win_inputs(b, h, hkv, n, c, d, positions, dtype)
-    out = window_attention(q, k, v, qpos, kpos, window, 0.2)
+    new = _win_new(b, hkv, n, d, qpos, c, dtype) if write else None
+    k_ref, v_ref = k.clone(), v.clone()
+    out = window_attention(q, k, v, qpos, kpos, window, 0.2, new)
     assert out.shape == (b, n, h, d) and out.dtype == dtype
-    want = window_attention_ref(q.float(), k.float(), v.float(), qpos, kpos, window, 0.2)
+    want = window_attention_ref(q.float(), k_ref.float(), v_ref.float(), qpos, kpos, window, 0.2,
+                                None if new is None else tuple(t.float() if t.is_floating_point() else t for t in new))
     _close(out, want, dtype)
+    if write:  # the kernel left the same ring as the two scatters
+        ring_write_ref(k_ref, v_ref, *new)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        assert not torch.equal(k_ref, _win_inputs(b, h, hkv, n, c, d, positions, dtype)[1])  # the write changed it
     # The mask is what decides: a key moved out of the window changes the result.
     kpos2 = kpos.clone()
     kpos2[kpos == qpos[:, :1]] = -1  # hide each row's first query's own key
@@ -583,8 +600,8 @@ for dt in ("bf16", "fp32"):
     comp(layernorm._kernel(), dict(x_ptr=f"*{dt}", h_ptr=f"*{dt}", g_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}",
          y_ptr=f"*{dt}", s_ptr=f"*{dt}", eps="fp32"), dict(HAS_BIAS=True, BLOCK_D=512), 4)
     comp(window_attention._kernel(), dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", qpos_ptr="*i64",
-         kpos_ptr="*i64", o_ptr=f"*{dt}", qk_scale="fp32"),
-         dict(H=8, G=1, NQ=2, D=64, BLOCK_R=16, BLOCK_D=64, BLOCK_N=64, N_BLOCKS=4,
+         kpos_ptr="*i64", o_ptr=f"*{dt}", kn_ptr=f"*{dt}", vn_ptr=f"*{dt}", ring_ptr="*i64", qk_scale="fp32"),
+         dict(WRITE=True, BLOCK_T=2, H=8, G=1, NQ=2, D=64, BLOCK_R=16, BLOCK_D=64, BLOCK_N=64, N_BLOCKS=4,
               DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee"), 4)
     comp(merge, dict(acc_ptr="*fp32", ml_ptr="*fp32", o_ptr=f"*{dt}"), dict(D=64, NUM_SPLITS=16, BLOCK_SPLITS=16, BLOCK_D=64), 4)
     comp(sampling._chunk_kernel(), dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64",
@@ -703,6 +720,12 @@ def test_gpu_window_attention(dtype):
         q, k, v, qpos, kpos = _win_inputs(b, h, hkv, n, c, d, positions, dtype, "cuda")
         out = window_attention(q, k, v, qpos, kpos, window, 0.125)
         _close(out, window_attention_ref(q.float(), k.float(), v.float(), qpos, kpos, window, 0.125), dtype)
+        new = _win_new(b, hkv, n, d, qpos, c, dtype, "cuda")
+        k_ref, v_ref = k.clone(), v.clone()
+        out = window_attention(q, k, v, qpos, kpos, window, 0.125, new)
+        ring_write_ref(k_ref, v_ref, *new)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        _close(out, window_attention_ref(q.float(), k_ref.float(), v_ref.float(), qpos, kpos, window, 0.125), dtype)
     eager, replay = _graph(lambda: window_attention(q, k, v, qpos, kpos, window, 0.125))
     assert torch.equal(eager, replay)
     print(f"\nwindow_attention {dtype} B=8 H=8 n=2 C=251: kernel "
