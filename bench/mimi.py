@@ -11,7 +11,8 @@ warm-up replays), with its kernel count from the profiler; on the CPU it runs ea
 
 Variants: the SEANet convs in NCW or channels-last (``channels_last``), and the streaming attention
 as the Triton window kernel (which also writes the step's keys into the ring), the kernel after two
-scatters, or SDPA with the same mask. ``--tf32-check`` (CUDA) also steps the
+scatters, or SDPA with the same mask; and the window kernel with every product on cuBLAS (no
+decode GEMV, whatever ``Transformer.choose_gemv`` measured). ``--tf32-check`` (CUDA) also steps the
 same slots as a batch of 3 and of 4 in float32, per layout and TF32 setting: why float32 keeps NCW.
 The outputs of all variants are compared with the first over 24 frames.
 """
@@ -150,8 +151,8 @@ def main() -> int:
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     m = build(dev, dtype)
     kernel_ring = mimi.Attention.attend_ring
-    attn = [("window kernel", kernel_ring)] + ([("kernel + scatters", _scatter_then_kernel), ("SDPA", _sdpa_ring)]
-                                                if dev == "cuda" else [])
+    attn = [("window kernel", kernel_ring)] + ([("kernel + scatters", _scatter_then_kernel), ("SDPA", _sdpa_ring),
+                                                 ("window kernel, cuBLAS only", kernel_ring)] if dev == "cuda" else [])
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype), "rows": [],
            "commit": commit()}
@@ -163,7 +164,10 @@ def main() -> int:
             for cl in (False, True):
                 for attn_name, ring in attn:
                     mimi.Attention.attend_ring = ring
-                    dec = m.streaming_decoder(args.served_slots if served else b, cl)
+                    dec = m.streaming_decoder(args.served_slots if served else b, cl)  # picks GEMV or cuBLAS
+                    if "cuBLAS only" in attn_name:  # every product on cuBLAS, as before the GEMV choice
+                        for layer in m.decoder_transformer.layers:
+                            layer.self_attn.gemv_qkv = layer.self_attn.gemv_o = layer.gemv_fc1 = layer.gemv_fc2 = False
                     inp = seq[0].clone()
                     slots = torch.arange(3, 3 + b, device=dev)
 

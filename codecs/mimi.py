@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from realtime.engines.channels_last import conv, conv_transpose1d_cl, from_cl, to_cl
-from realtime.engines.transformer import fuse_params, use_kernels
+from realtime.engines.transformer import GEMV_MAX_M, fuse_params, project, use_gemv, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["Mimi", "MimiConfig", "MimiStreamingDecoder", "MimiStreamingEncoder"]
@@ -422,7 +422,19 @@ def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Te
     return ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < window))[:, None]
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
+    """x [B, T, C] @ w.T + bias: the decode GEMV (``kernels.gemv``) when it was measured faster for
+    this weight (``gemv``, see ``Transformer.choose_gemv``) and B * T <= GEMV_MAX_M rows, else
+    cuBLAS."""
+    if gemv and x.shape[0] * x.shape[1] <= GEMV_MAX_M:
+        return project(x.reshape(-1, x.shape[-1]), w, bias, True).view(*x.shape[:-1], -1)
+    return F.linear(x, w, bias)
+
+
 class Attention(nn.Module):
+    # Whether the fused q|k|v and the output product take the decode GEMV (Transformer.choose_gemv).
+    gemv_qkv = gemv_o = False
+
     def __init__(self, cfg: MimiConfig) -> None:
         super().__init__()
         h, kv, d, c = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -449,7 +461,7 @@ class Attention(nn.Module):
         """x [B, T, C], cos/sin [B or 1, T, D] -> q [B, H, T, D], k, v [B, Hkv, T, D] (RoPE applied)."""
         b, t, _ = x.shape
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+            q, k, v = _linear(x, self.qkv_weight, self.qkv_bias, self.gemv_qkv).split(
                 [self.h * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -472,7 +484,7 @@ class Attention(nn.Module):
             v = v.repeat_interleave(self.h // self.kv, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         b, _, t, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.h * self.d))
+        return _linear(o.transpose(1, 2).reshape(b, t, self.h * self.d), self.o_proj.weight, self.o_proj.bias, self.gemv_o)
 
     def attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
                     kpos: torch.Tensor, window: int, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -486,7 +498,7 @@ class Attention(nn.Module):
 
             o = window_attention(q, k, v, qpos, kpos, window, self.scale, new)  # [B, n, H, D]
             b, t = o.shape[:2]
-            return self.o_proj(o.reshape(b, t, self.h * self.d))
+            return _linear(o.reshape(b, t, self.h * self.d), self.o_proj.weight, self.o_proj.bias, self.gemv_o)
         from realtime.kernels.window_attention import ring_write_ref
 
         ring_write_ref(k, v, *new)
@@ -494,6 +506,9 @@ class Attention(nn.Module):
 
 
 class TransformerLayer(nn.Module):
+    # Whether the MLP's two products take the decode GEMV (Transformer.choose_gemv).
+    gemv_fc1 = gemv_fc2 = False
+
     def __init__(self, cfg: MimiConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -507,8 +522,9 @@ class TransformerLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
-        """The MLP of the normalised input h (without the LayerScale residual)."""
-        return self.mlp.fc2(self.act(self.mlp.fc1(h)))
+        """The MLP of the normalised input h [B, T, C] (without the LayerScale residual)."""
+        fc1, fc2 = self.mlp.fc1, self.mlp.fc2
+        return _linear(self.act(_linear(h, fc1.weight, fc1.bias, self.gemv_fc1)), fc2.weight, fc2.bias, self.gemv_fc2)
 
     def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp_layer_scale.add_to(x, self.mlp_out(self.post_attention_layernorm(x)))
@@ -601,6 +617,17 @@ class Transformer(nn.Module):
             x = layer.self_attn_layer_scale.add_to(x, layer.self_attn.attend(q, k, v, mask))
             x = layer.mlp_block(x)
         return x
+
+    def choose_gemv(self) -> None:
+        """For each product of a decode step, whether the Triton GEMV beats cuBLAS at a step's few
+        rows (measured once per weight shape on CUDA, see ``engines.transformer.use_gemv``; False
+        on the CPU or with the kernels off). Call outside graph capture: the measurement syncs."""
+        for layer in self.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            att.gemv_qkv = att.qkv_weight is not None and use_gemv(att.qkv_weight, att.qkv_bias)
+            att.gemv_o = use_gemv(att.o_proj.weight, att.o_proj.bias)
+            layer.gemv_fc1 = use_gemv(mlp.fc1.weight, mlp.fc1.bias)
+            layer.gemv_fc2 = use_gemv(mlp.fc2.weight, mlp.fc2.bias)
 
     def ring_size(self) -> int:
         """KV ring slots per row: the W - 1 past keys a query needs, plus room for one code frame's
@@ -973,6 +1000,7 @@ class MimiStreamingDecoder:
         self.state = torch.zeros(batch_size, sum(c * n for c, n in self._shapes), device=dev, dtype=dt)
         self.upsample_tail, *self.convs = _state_views(self.state, self._shapes, self._layouts)
         self.kv = mimi.decoder_transformer.new_state(batch_size, dev, dt)
+        mimi.decoder_transformer.choose_gemv()  # the step's products: GEMV or cuBLAS, measured per shape
 
     @torch.no_grad()
     def step(self, codes: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
