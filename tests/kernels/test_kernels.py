@@ -373,17 +373,25 @@ def test_scale_add_layernorm(cpu_kernels, shape, bias, dtype):
     _close(y, y_ref, dtype)
 
 
-def test_mimi_step_with_fused_add_layernorm(cpu_kernels, monkeypatch):
-    """The Mimi transformer step wired to the fused kernel (as on CUDA) equals its addcmul + LayerNorm path."""
+def _tiny_mimi_transformer(layers: int):
+    """A small Mimi streaming transformer (width 64, window 8) with seeded random weights."""
     from realtime.codecs import mimi
 
-    cfg = mimi.MimiConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=16,
+    cfg = mimi.MimiConfig(hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=4, head_dim=16,
                           intermediate_size=128, sliding_window=8)
     torch.manual_seed(0)
     tr = mimi.Transformer(cfg).eval()
     with torch.no_grad():
         for prm in tr.parameters():
             prm.copy_(torch.randn_like(prm) * 0.3)
+    return tr
+
+
+def test_mimi_step_with_fused_add_layernorm(cpu_kernels, monkeypatch):
+    """The Mimi transformer step wired to the fused kernel (as on CUDA) equals its addcmul + LayerNorm path."""
+    from realtime.codecs import mimi
+
+    tr = _tiny_mimi_transformer(3)
     x = torch.randn(2, 2, 64)
 
     def run():
@@ -410,16 +418,9 @@ def test_mimi_step_with_fused_add_layernorm(cpu_kernels, monkeypatch):
 def test_mimi_step_with_gemv(cpu_kernels, monkeypatch):
     """Mimi's step with every product on the decode GEMV (as on CUDA where it was measured faster)
     equals the library products, at up to GEMV_MAX_M rows; more rows keep the library GEMM."""
-    from realtime.codecs import mimi
     from realtime.kernels import gemv
 
-    cfg = mimi.MimiConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
-                          intermediate_size=128, sliding_window=8)
-    torch.manual_seed(0)
-    tr = mimi.Transformer(cfg).eval()
-    with torch.no_grad():
-        for prm in tr.parameters():
-            prm.copy_(torch.randn_like(prm) * 0.3)
+    tr = _tiny_mimi_transformer(2)
     for layer in tr.layers:
         layer.self_attn.fuse()
 
