@@ -72,7 +72,7 @@ def _scatter_then_kernel(self, q, k, v, qpos, kpos, window, new):  # noqa: ANN00
 
     ring_write_ref(k, v, *new)
     o = window_attention(q, k, v, qpos, kpos, window, self.scale)
-    return self.o_proj(o.reshape(o.shape[0], o.shape[1], self.h * self.d))
+    return self.output(o.reshape(o.shape[0], o.shape[1], self.h * self.d))
 
 
 def time_step(step, out_ref, device: str) -> tuple[float, int | None]:  # noqa: ANN001

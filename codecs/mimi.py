@@ -477,6 +477,10 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs o [B, T, H * D] (on the decode GEMV where chosen)."""
+        return _linear(o, self.o_proj.weight, self.o_proj.bias, self.gemv_o)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool [B or 1, 1, Tq, Tk] -> [B, Tq, C]."""
         if self.kv != self.h:
@@ -484,10 +488,11 @@ class Attention(nn.Module):
             v = v.repeat_interleave(self.h // self.kv, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         b, _, t, _ = o.shape
-        return _linear(o.transpose(1, 2).reshape(b, t, self.h * self.d), self.o_proj.weight, self.o_proj.bias, self.gemv_o)
+        return self.output(o.transpose(1, 2).reshape(b, t, self.h * self.d))
 
     def attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
-                    kpos: torch.Tensor, window: int, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                    kpos: torch.Tensor, window: int,
+                    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``attend`` over a KV ring by positions: q [B, H, n, D] at qpos [B, n], k/v [B, Hkv, C, D]
         at kpos [B, C] (-1 empty); a query sees keys 0 <= qpos - kpos < window -> [B, n, C_out].
         ``new`` = (k_new, v_new [B, Hkv, n, D], ring [B, n]): the step's keys, written into the ring
@@ -498,7 +503,7 @@ class Attention(nn.Module):
 
             o = window_attention(q, k, v, qpos, kpos, window, self.scale, new)  # [B, n, H, D]
             b, t = o.shape[:2]
-            return _linear(o.reshape(b, t, self.h * self.d), self.o_proj.weight, self.o_proj.bias, self.gemv_o)
+            return self.output(o.reshape(b, t, self.h * self.d))
         from realtime.kernels.window_attention import ring_write_ref
 
         ring_write_ref(k, v, *new)
