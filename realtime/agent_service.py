@@ -119,10 +119,27 @@ def _voice(tts: Any, voice: str | None) -> str | None:
     return voice
 
 
+class _AgentBridge:
+    """What the two wire bridges share: the agent session and the task that sends its events."""
+
+    svc: AgentService
+    agent: AgentSession | None = None
+    sender: asyncio.Task[None] | None = None
+
+    async def _teardown(self) -> None:
+        """End the agent session (if one started) and stop the sender task."""
+        if self.agent is not None:
+            await self.agent.close()
+            self.svc.end_session(self.agent)
+        if self.sender is not None:
+            self.sender.cancel()
+            await asyncio.gather(self.sender, return_exceptions=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # OpenAI Realtime
 
-class OpenAIRealtimeSession:
+class OpenAIRealtimeSession(_AgentBridge):
     """One /v1/realtime connection: OpenAI client events in, agent events out as OpenAI server events."""
 
     def __init__(self, app: "AppState", conn: "Connection", svc: AgentService, model: str) -> None:
@@ -178,12 +195,7 @@ class OpenAIRealtimeSession:
             await self.send(oa.error_event(InternalError("internal error")))
             await self.conn.close(InternalError.close_code, "internal")
         finally:
-            if self.agent is not None:
-                await self.agent.close()
-                self.svc.end_session(self.agent)
-            if self.sender is not None:
-                self.sender.cancel()
-                await asyncio.gather(self.sender, return_exceptions=True)
+            await self._teardown()
 
     async def _receive_loop(self) -> None:
         assert self.agent is not None
@@ -335,7 +347,7 @@ class OpenAIRealtimeSession:
 # ---------------------------------------------------------------------------------------------
 # Twilio Media Streams
 
-class TwilioSession:
+class TwilioSession(_AgentBridge):
     """One /v1/telephony/twilio connection (a phone call)."""
 
     def __init__(self, app: "AppState", conn: "Connection", svc: AgentService) -> None:
@@ -362,12 +374,7 @@ class TwilioSession:
             log.exception("twilio session crashed")
             await self.conn.close(InternalError.close_code, "internal")
         finally:
-            if self.agent is not None:
-                await self.agent.close()
-                self.svc.end_session(self.agent)
-            if self.sender is not None:
-                self.sender.cancel()
-                await asyncio.gather(self.sender, return_exceptions=True)
+            await self._teardown()
 
     async def _receive_loop(self) -> None:
         while True:

@@ -82,14 +82,18 @@ class SlotPool:
             self.free.append(slot)
 
 
-class CSMFrameLane(Lane):
-    name = "csm.frame"
-    worker = "generator"
+class _CSMLane(Lane):
+    """A lane of the CSM backend: one batch may hold every slot."""
 
     def __init__(self, backend: "CSMBackend") -> None:
         super().__init__()
         self.b = backend
         self.max_batch = backend.n_slots
+
+
+class CSMFrameLane(_CSMLane):
+    name = "csm.frame"
+    worker = "generator"
 
     def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
         st: CSMState = job.engine_state
@@ -191,14 +195,9 @@ class CSMFrameLane(Lane):
         st.frames_log = st.last_turn[1]
 
 
-class MimiDecodeLane(Lane):
+class MimiDecodeLane(_CSMLane):
     name = "mimi.decode"
     worker = "codec"
-
-    def __init__(self, backend: "CSMBackend") -> None:
-        super().__init__()
-        self.b = backend
-        self.max_batch = backend.n_slots
 
     def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
         st: CSMState = job.engine_state
