@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from realtime.engines.channels_last import conv, conv_transpose1d_cl, from_cl, to_cl
-from realtime.engines.transformer import GEMV_MAX_M, fuse_params, project, use_gemv, use_kernels
+from realtime.engines.transformer import fuse_params, project, use_gemv, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["Mimi", "MimiConfig", "MimiStreamingDecoder", "MimiStreamingEncoder"]
@@ -423,12 +423,10 @@ def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Te
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
-    """x [B, T, C] @ w.T + bias: the decode GEMV (``kernels.gemv``) when it was measured faster for
-    this weight (``gemv``, see ``Transformer.choose_gemv``) and B * T <= GEMV_MAX_M rows, else
-    cuBLAS."""
-    if gemv and x.shape[0] * x.shape[1] <= GEMV_MAX_M:
-        return project(x.reshape(-1, x.shape[-1]), w, bias, True).view(*x.shape[:-1], -1)
-    return F.linear(x, w, bias)
+    """x [B, T, C] @ w.T + bias over its B * T rows through ``engines.transformer.project``: the
+    decode GEMV when it was measured faster for this weight (``gemv``, see
+    ``Transformer.choose_gemv``) and the rows fit it, else cuBLAS."""
+    return project(x.reshape(-1, x.shape[-1]), w, bias, gemv).view(*x.shape[:-1], -1)
 
 
 class Attention(nn.Module):
@@ -664,7 +662,7 @@ class Transformer(nn.Module):
             st.kv_pos.scatter_(1, ring, qpos[:, n - keep:])
         else:
             mask = window_mask(qpos, torch.cat([st.kv_pos, qpos], dim=1), self.window)  # keys: [ring, new]
-        idx = ring[:, None, :, None].expand(b, self.cfg.num_kv_heads, keep, self.cfg.head_dim)
+            idx = ring[:, None, :, None].expand(b, self.cfg.num_kv_heads, keep, self.cfg.head_dim)
         h = self.layers[0].input_layernorm(x)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(h, cos, sin)
