@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from realtime.engines.channels_last import conv, conv_transpose1d_cl, from_cl, to_cl
-from realtime.engines.transformer import fuse_params, project, use_gemv, use_kernels
+from realtime.engines.transformer import GEMV_MAX_M, fuse_params, project, use_gemv, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["Mimi", "MimiConfig", "MimiStreamingDecoder", "MimiStreamingEncoder"]
@@ -194,11 +194,20 @@ _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
 }
+# The activations the decode GEMV can apply in its epilogue (F.gelu's ``approximate`` argument).
+_GEMV_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh"}
 
 
 # --------------------------------------------------------------------------------------------------
 # Convolutions: offline forward (reference padding) and streaming step (explicit state)
 # --------------------------------------------------------------------------------------------------
+
+
+def _fused_step(x: torch.Tensor) -> bool:
+    """Whether a conv step on x runs its elementwise glue as one Triton kernel (``kernels.seanet``:
+    ELU + state concat + state update; overlap add + tail update + bias). On CUDA with the kernels
+    on; elsewhere the plain PyTorch ops, exactly as they were."""
+    return use_kernels() and x.is_cuda
 
 
 class CausalConv1d(nn.Module):
@@ -230,14 +239,23 @@ class CausalConv1d(nn.Module):
     def state_shape(self) -> tuple[int, int]:
         return (self.c_in, self.pad)
 
-    def step(self, x: torch.Tensor, state: torch.Tensor, fresh: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, x: torch.Tensor, state: torch.Tensor, fresh: torch.Tensor | None = None,
+             elu: bool = False) -> torch.Tensor:
         """x [B, C, n*stride], state [B, C, pad] (updated in place) -> [B, C', n]. Or all three
         channels-last and 4-D: [B, C, 1, T] (see ``MimiStreamingDecoder``).
 
         ``fresh`` [B] bool marks slots whose stream starts now: with replicate padding their left
         context is the first input sample repeated (what offline replicate padding sees).
+        ``elu`` convolves elu(x) instead (the activation before the conv, fused with the state
+        concatenation where ``_fused_step``).
         """
         assert x.shape[-1] % self.stride == 0, "streaming input must be a whole number of strides"
+        if self.pad and not self.replicate and _fused_step(x):
+            from realtime.kernels.seanet import state_concat
+
+            return conv(self.conv, state_concat(x, state, elu))
+        if elu:
+            x = F.elu(x)
         if self.pad == 0:
             return conv(self.conv, x)
         left = state
@@ -279,6 +297,10 @@ class CausalConvTranspose1d(nn.Module):
         else:
             y = conv_transpose1d_cl(self.conv, x, bias=False)
         n_out = x.shape[-1] * self.stride
+        if self.overlap and _fused_step(y):
+            from realtime.kernels.seanet import overlap_add
+
+            return overlap_add(y, tail, self.conv.bias, n_out)
         if self.overlap:
             head = y[..., : self.overlap] + tail
             tail.copy_(y[..., n_out:])
@@ -314,8 +336,8 @@ class ResBlock(nn.Module):
         return (x if self.shortcut is None else self.shortcut(x)) + h
 
     def step(self, x: torch.Tensor, states: list[torch.Tensor]) -> torch.Tensor:
-        h = self.block[1].step(F.elu(x), states[0])
-        h = self.block[3].step(F.elu(h), states[1])
+        h = self.block[1].step(x, states[0], elu=True)
+        h = self.block[3].step(F.elu(h), states[1])  # 1x1: no state to fuse the ELU with
         res = x if self.shortcut is None else self.shortcut.step(x, states[2])
         return res + h
 
@@ -340,10 +362,13 @@ class _SEANet(nn.Module):
         return shapes
 
     def step(self, x: torch.Tensor, states: list[torch.Tensor]) -> torch.Tensor:
-        i = 0
-        for layer in self.layers:
+        i, elu, layers = 0, False, list(self.layers)
+        for j, layer in enumerate(layers):
             if isinstance(layer, nn.ELU):
-                x = F.elu(x)
+                # An ELU right before a CausalConv1d is left to that conv's step (fused with its state).
+                elu = j + 1 < len(layers) and isinstance(layers[j + 1], CausalConv1d)
+                if not elu:
+                    x = F.elu(x)
             elif isinstance(layer, ResBlock):
                 n = len(layer.convs())
                 x = layer.step(x, states[i: i + n])
@@ -352,7 +377,7 @@ class _SEANet(nn.Module):
                 x = layer.step(x, states[i])
                 i += 1
             else:
-                x = layer.step(x, states[i])
+                x, elu = layer.step(x, states[i], elu=elu), False
                 i += 1
         assert i == len(states)
         return x
@@ -509,7 +534,8 @@ class Attention(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    # Whether the MLP's two products take the decode GEMV (Transformer.choose_gemv).
+    # Whether the MLP's two products take the decode GEMV (Transformer.choose_gemv); fc1's GEMV
+    # applies a GELU activation itself.
     gemv_fc1 = gemv_fc2 = False
 
     def __init__(self, cfg: MimiConfig) -> None:
@@ -523,11 +549,19 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.gelu = _GEMV_GELU.get(cfg.hidden_act)  # the GEMV's epilogue form of act, or None
 
     def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP of the normalised input h [B, T, C] (without the LayerScale residual)."""
         fc1, fc2 = self.mlp.fc1, self.mlp.fc2
-        return _linear(self.act(_linear(h, fc1.weight, fc1.bias, self.gemv_fc1)), fc2.weight, fc2.bias, self.gemv_fc2)
+        rows = h.reshape(-1, h.shape[-1])
+        if self.gemv_fc1 and self.gelu is not None and rows.shape[0] <= GEMV_MAX_M:
+            from realtime.kernels.gemv import linear_gelu
+
+            a = linear_gelu(rows, fc1.weight, fc1.bias, self.gelu).view(*h.shape[:-1], -1)
+        else:
+            a = self.act(_linear(h, fc1.weight, fc1.bias, self.gemv_fc1))
+        return _linear(a, fc2.weight, fc2.bias, self.gemv_fc2)
 
     def mlp_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp_layer_scale.add_to(x, self.mlp_out(self.post_attention_layernorm(x)))
@@ -629,7 +663,7 @@ class Transformer(nn.Module):
             att, mlp = layer.self_attn, layer.mlp
             att.gemv_qkv = att.qkv_weight is not None and use_gemv(att.qkv_weight, att.qkv_bias)
             att.gemv_o = use_gemv(att.o_proj.weight, att.o_proj.bias)
-            layer.gemv_fc1 = use_gemv(mlp.fc1.weight, mlp.fc1.bias)
+            layer.gemv_fc1 = use_gemv(mlp.fc1.weight, mlp.fc1.bias, gelu=layer.gelu)
             layer.gemv_fc2 = use_gemv(mlp.fc2.weight, mlp.fc2.bias)
 
     def ring_size(self) -> int:

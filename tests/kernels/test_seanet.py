@@ -1,0 +1,344 @@
+"""SEANet step kernels (kernels/seanet.py) vs their PyTorch references, and Mimi's streaming decoder
+with them wired in vs its plain PyTorch step.
+
+On a machine without CUDA the kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1 is
+set here, before anything builds a kernel), where float32 -> bf16 casts truncate instead of rounding,
+so bf16 results may be 1 ulp off; float32 is compared near-exactly (the interpreter's ELU is
+exp(x) - 1 where the GPU's is expm1). Every case checks the state left behind and that nothing
+beside the state's view of the flat state buffer was written. The @gpu tests run the same
+comparisons compiled on CUDA, and the default Mimi decoder step fused vs unfused in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first kernel build (kernels import triton lazily)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from realtime.codecs import mimi  # noqa: E402
+from realtime.kernels import _triton, seanet  # noqa: E402
+from realtime.kernels.seanet import overlap_add, overlap_add_ref, state_concat, state_concat_ref  # noqa: E402
+
+TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+LAYOUTS = ["ncw", "cl", "time_major"]
+
+
+@pytest.fixture
+def cpu_kernels():
+    """The CPU tests must exercise the Triton path, never the silent reference fallback."""
+    assert _triton.triton_available(), "triton is a dev dependency: pip install -e '.[dev]'"
+    if not _triton.interpret_mode():
+        pytest.skip("CUDA present and TRITON_INTERPRET unset: the @gpu tests cover the kernels here")
+
+
+def _close(a, b, dtype):
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol)
+
+
+def _act(b, c, n, layout, g, dtype, device):
+    """An activation [B, C, n] as the step sees it: contiguous ("ncw"), channels-last 4-D ("cl"), or
+    a time-major 3-D view ("time_major": ``from_cl`` of a channels-last tensor)."""
+    x = torch.randn(b, c, n, generator=g).to(device, dtype)
+    if layout == "ncw":
+        return x
+    x = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    return x if layout == "cl" else x.squeeze(2)
+
+
+def _state(b, c, n, layout, g, dtype, device):
+    """(flat [B, total], state): a view of a flat buffer with other states on both sides, laid out
+    like ``mimi._state_views`` (channels-last 4-D for "cl", [B, C, n] otherwise)."""
+    shapes = [(3, 2), (c, n), (2, 5)]
+    flat = torch.randn(b, sum(ci * ni for ci, ni in shapes), generator=g).to(device, dtype)
+    return flat, mimi._state_views(flat, shapes, [layout == "cl"] * 3)[1]
+
+
+# ------------------------------------------------------------------------------------ state_concat
+
+CONCAT_CASES = [  # B, C, T, P
+    (1, 4, 2, 6),  # T < P: the decoder's first conv (2 latents, kernel 7)
+    (2, 3, 6, 2),
+    (2, 70, 5, 5),  # T == P; two channel blocks
+    (1, 130, 40, 3),  # three channel blocks, two time blocks
+    (2, 4, 600, 2),  # three time blocks
+    (3, 8, 1, 4),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", CONCAT_CASES)
+def test_state_concat(cpu_kernels, case, layout, dtype):
+    b, c, t, p = case
+    g = torch.Generator().manual_seed(sum(case))
+    x = _act(b, c, t, layout, g, dtype, "cpu")
+    for elu in (False, True):
+        flat, state = _state(b, c, p, layout, g, dtype, "cpu")
+        flat_ref = flat.clone()
+        state_ref = mimi._state_views(flat_ref, [(3, 2), (c, p), (2, 5)], [layout == "cl"] * 3)[1]
+        buf = state_concat(x, state, elu)
+        want = state_concat_ref(x, state_ref, elu)
+        assert buf.shape == want.shape and buf.dtype == dtype
+        if x.dim() == 4:
+            assert buf.is_contiguous(memory_format=torch.channels_last)
+        else:
+            assert buf.is_contiguous()
+        if elu:
+            _close(buf, want, dtype)
+            _close(flat, flat_ref, dtype)
+            # Nothing outside the state's view is written.
+            assert torch.equal(flat[:, :6], flat_ref[:, :6]) and torch.equal(flat[:, -10:], flat_ref[:, -10:])
+        else:  # pure copies: exact
+            assert torch.equal(buf, want) and torch.equal(flat, flat_ref)
+
+
+def test_state_concat_streams(cpu_kernels):
+    """Chained steps, the state carried between them, equal the reference's (as a conv sees them)."""
+    g = torch.Generator().manual_seed(0)
+    flat, state = _state(2, 5, 3, "cl", g, torch.float32, "cpu")
+    ref = state.clone()
+    for n in (1, 2, 4, 1, 3):
+        x = _act(2, 5, n, "cl", g, torch.float32, "cpu")
+        _close(state_concat(x, state, True), state_concat_ref(x, ref, True), torch.float32)
+        _close(state, ref, torch.float32)
+
+
+# ------------------------------------------------------------------------------------ overlap_add
+
+OVERLAP_CASES = [  # B, C, N, V
+    (1, 4, 2, 2),  # the upsample conv: stride 2, overlap 2
+    (2, 70, 16, 8),
+    (2, 5, 600, 4),  # several time blocks
+    (1, 3, 8, 0),  # no overlap: the bias alone
+    (3, 8, 6, 5),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+def test_overlap_add(cpu_kernels, case, layout, dtype):
+    b, c, n, v = case
+    g = torch.Generator().manual_seed(sum(case))
+    y = _act(b, c, n + v, layout, g, dtype, "cpu")
+    for bias in (None, torch.randn(c, generator=g).to(dtype)):
+        flat, tail = _state(b, c, v, layout, g, dtype, "cpu")
+        flat_ref = flat.clone()
+        tail_ref = mimi._state_views(flat_ref, [(3, 2), (c, v), (2, 5)], [layout == "cl"] * 3)[1]
+        out = overlap_add(y, tail, bias, n)
+        want = overlap_add_ref(y, tail_ref, bias, n)
+        assert out.shape == want.shape and out.dtype == dtype
+        assert out.is_contiguous(memory_format=torch.channels_last) if y.dim() == 4 else out.is_contiguous()
+        if dtype == torch.float32:
+            assert torch.equal(out, want)  # the same float32 additions in the same order
+        else:  # the interpreter truncates the rounded head sum: up to 1 ulp of |y + tail| < 8 (2**-5)
+            torch.testing.assert_close(out.float(), want.float(), rtol=1.6e-2, atol=2**-5 + 1e-2)
+        assert torch.equal(flat, flat_ref)  # the new tail is a copy; nothing else is touched
+
+
+def test_launchers_check_inputs(cpu_kernels):
+    x, state = torch.randn(2, 4, 3), torch.randn(2, 4, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        state_concat(x, state[:, :3], True)
+    with pytest.raises(ValueError, match="rank"):
+        state_concat(x, state.unsqueeze(2), True)
+    with pytest.raises(ValueError, match="P >= 1"):
+        state_concat(x, state[..., :0], True)
+    with pytest.raises(ValueError, match=r"\[B, C, 1, T\]"):
+        state_concat(torch.randn(2, 4, 2, 3), torch.randn(2, 4, 2, 2), True)
+    with pytest.raises(ValueError, match="n_out"):
+        overlap_add(torch.randn(2, 4, 7), state, None, 4)
+    with pytest.raises(ValueError, match="bias"):
+        overlap_add(torch.randn(2, 4, 6), state, torch.randn(3), 4)
+
+
+# ----------------------------------------------------------------------------- Mimi decoder step
+
+TINY = dict(hidden_size=32, num_filters=4, upsampling_ratios=(3, 2, 2), num_residual_layers=2,
+            codebook_size=16, codebook_dim=8, num_quantizers=4, upsample_groups=32, num_layers=1,
+            intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=5)
+
+
+def _random_mimi(cfg: mimi.MimiConfig, device="cpu", dtype=torch.float32, seed=0) -> mimi.Mimi:
+    """A Mimi with every weight, LayerScale and codebook random (default init leaves codebooks zero)."""
+    m = mimi.Mimi(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            if name.endswith("inv_freq"):
+                continue
+            if "layernorm" in name or name.endswith(".scale"):
+                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+            elif t.dim() > 1:
+                t.copy_(torch.randn(t.shape, generator=g) / math.sqrt(t[0].numel()))
+            else:
+                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    return m.to(device, dtype).eval().requires_grad_(False)
+
+
+def _decode(m, codes, channels_last, slots=False):
+    """Stream codes [B, K, T] one frame a step -> (audio [B, 1, T * frame_size], final conv state)."""
+    b = codes.shape[0]
+    dec = m.streaming_decoder(b + 1 if slots else b, channels_last)
+    idx = torch.arange(1, b + 1, device=codes.device)
+    outs = [dec.step(codes[..., i: i + 1], idx if slots else None) for i in range(codes.shape[-1])]
+    return torch.cat(outs, -1), dec.state[1:] if slots else dec.state
+
+
+@pytest.mark.parametrize("channels_last, slots", [(False, False), (True, False), (True, True)])
+def test_mimi_decoder_step_fused(cpu_kernels, monkeypatch, channels_last, slots):
+    """The decoder step with every SEANet conv's glue on the kernels (as on CUDA, here through the
+    interpreter) equals the plain step: audio and the whole conv state left behind."""
+    cfg = mimi.MimiConfig(**TINY)
+    m = _random_mimi(cfg)
+    codes = torch.randint(0, 16, (2, 4, 5), generator=torch.Generator().manual_seed(1))
+    want, want_state = _decode(m, codes, channels_last, slots)
+    calls = {"state_concat": 0, "overlap_add": 0}
+
+    def spy(name, real):
+        def counted(*args):
+            calls[name] += 1
+            return real(*args)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(seanet, name, spy(name, getattr(seanet, name)))
+    monkeypatch.setattr(mimi, "_fused_step", lambda x: True)
+    got, got_state = _decode(m, codes, channels_last, slots)
+    steps, ratios, res = codes.shape[-1], len(cfg.upsampling_ratios), cfg.num_residual_layers
+    assert calls["state_concat"] == steps * (2 + ratios * res)  # first and last conv, each ResBlock's k-conv
+    assert calls["overlap_add"] == steps * (1 + ratios)  # the upsample and every decoder transposed conv
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- compiles for the GPU
+
+# Without TRITON_INTERPRET in a fresh interpreter: Triton lowers the kernels to PTX and runs its
+# bundled ptxas for sm_90 without a GPU (the GPU-only libdevice expm1 path included).
+_AOT = r"""
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from realtime.kernels import seanet
+
+def comp(fn, sig, consts):
+    consts = {"PDL": True, **consts}
+    full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
+    src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
+    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"] and "bar.sync" in k.asm["ptx"], fn.fn.__name__
+
+concat, overlap = seanet._kernels()
+for dt in ("bf16", "fp32"):
+    comp(concat, dict(x_ptr=f"*{dt}", s_ptr=f"*{dt}", o_ptr=f"*{dt}"),
+         dict(ELU=True, LIBDEVICE=True, BLOCK_C=32, BLOCK_T=32, BLOCK_P=8))
+    comp(overlap, dict(y_ptr=f"*{dt}", v_ptr=f"*{dt}", bias_ptr=f"*{dt}", o_ptr=f"*{dt}"),
+         dict(HAS_BIAS=True, BLOCK_C=64, BLOCK_T=16, BLOCK_V=8))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold cache: really compile
+    r = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_kernels(dtype):
+    for layout in LAYOUTS:
+        for b, c, t, p in CONCAT_CASES + [(8, 32, 1920, 2), (8, 512, 2, 6)]:
+            g = torch.Generator().manual_seed(b * c + t)
+            x = _act(b, c, t, layout, g, dtype, "cuda")
+            for elu in (False, True):
+                flat, state = _state(b, c, p, layout, g, dtype, "cuda")
+                flat_ref = flat.clone()
+                state_ref = mimi._state_views(flat_ref, [(3, 2), (c, p), (2, 5)], [layout == "cl"] * 3)[1]
+                buf = state_concat(x, state, elu)
+                want = state_concat_ref(x, state_ref, elu)
+                _close(buf, want, dtype)  # ELU: libdevice expm1 as PyTorch's, so equal up to float32 ulps
+                _close(flat, flat_ref, dtype)
+                if not elu:
+                    assert torch.equal(buf, want) and torch.equal(flat, flat_ref)
+        for b, c, n, v in OVERLAP_CASES + [(8, 32, 1920, 4), (8, 256, 16, 8)]:
+            g = torch.Generator().manual_seed(b * c + n)
+            y = _act(b, c, n + v, layout, g, dtype, "cuda")
+            bias = torch.randn(c, generator=g).to("cuda", dtype)
+            flat, tail = _state(b, c, v, layout, g, dtype, "cuda")
+            flat_ref = flat.clone()
+            tail_ref = mimi._state_views(flat_ref, [(3, 2), (c, v), (2, 5)], [layout == "cl"] * 3)[1]
+            out = overlap_add(y, tail, bias, n)
+            # Rounded like the unfused adds (head sum to y's dtype, then + bias): bit-equal.
+            assert torch.equal(out, overlap_add_ref(y, tail_ref, bias, n)) and torch.equal(flat, flat_ref)
+
+
+def _graphed(fn, *inputs):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*inputs)
+    return graph, out
+
+
+@pytest.mark.gpu
+def test_gpu_default_decoder_step_fused_equals_unfused(monkeypatch):
+    """The default Mimi's decoder step in bf16, channels-last (the served path): fused SEANet glue
+    vs the plain ops, eager and in a CUDA graph, with the step times printed."""
+    m = _random_mimi(mimi.MimiConfig(), "cuda", torch.bfloat16)
+    b, steps = 4, 6
+    codes = torch.randint(0, 2048, (b, 32, steps), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def run(fused):
+        monkeypatch.setattr(mimi, "_fused_step", (lambda x: x.is_cuda) if fused else (lambda x: False))
+        dec = m.streaming_decoder(b)
+        assert dec.channels_last
+        audio = torch.cat([dec.step(codes[..., i: i + 1]) for i in range(steps)], -1)
+        inp = codes[..., :1].clone()
+        graph, out = _graphed(dec.step, inp)
+        dec.reset()
+        replayed = []
+        for i in range(steps):
+            inp.copy_(codes[..., i: i + 1])
+            graph.replay()
+            replayed.append(out.clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        print(f"\ndefault Mimi bf16 B={b} decoder step, SEANet glue {'fused' if fused else 'unfused'}: "
+              f"{(time.perf_counter() - t0) / 50 * 1e3:.3f} ms (graph)")
+        return audio.float(), torch.cat(replayed, -1).float()
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    want, want_graph = run(False)
+    got, got_graph = run(True)
+    print(f"fused vs unfused: eager {rel(got, want):.2e}, graph {rel(got_graph, want_graph):.2e}; "
+          f"graph vs eager (fused) {rel(got_graph, got):.2e}")
+    assert rel(got, want) < 1e-2 and rel(got_graph, want_graph) < 1e-2 and rel(got_graph, got) < 1e-2
