@@ -12,7 +12,9 @@ warm-up replays), with its kernel count from the profiler; on the CPU it runs ea
 Variants: the SEANet convs in NCW or channels-last (``channels_last``), and the streaming attention
 as the Triton window kernel (which also writes the step's keys into the ring), the kernel after two
 scatters, or SDPA with the same mask; and the window kernel with every product on cuBLAS (no
-decode GEMV, whatever ``Transformer.choose_gemv`` measured). ``--tf32-check`` (CUDA) also steps the
+decode GEMV, whatever ``Transformer.choose_gemv`` measured), with the SEANet convs' elementwise glue
+as plain PyTorch ops instead of ``kernels.seanet`` (ELU + state concat, overlap add + bias), or with
+fc1's GELU as its own kernel instead of in the GEMV's epilogue. ``--tf32-check`` (CUDA) also steps the
 same slots as a batch of 3 and of 4 in float32, per layout and TF32 setting: why float32 keeps NCW.
 The outputs of all variants are compared with the first over 24 frames.
 """
@@ -150,9 +152,34 @@ def main() -> int:
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     m = build(dev, dtype)
-    kernel_ring = mimi.Attention.attend_ring
-    attn = [("window kernel", kernel_ring)] + ([("kernel + scatters", _scatter_then_kernel), ("SDPA", _sdpa_ring),
-                                                 ("window kernel, cuBLAS only", kernel_ring)] if dev == "cuda" else [])
+    kernel_ring, fused_step = mimi.Attention.attend_ring, mimi._fused_step
+    layers = m.decoder_transformer.layers
+    gelus = [layer.gelu for layer in layers]
+
+    def cublas_only() -> None:  # every product on cuBLAS, as before the GEMV choice
+        for layer in layers:
+            layer.self_attn.gemv_qkv = layer.self_attn.gemv_o = layer.gemv_fc1 = layer.gemv_fc2 = False
+
+    def gelu_apart() -> None:  # fc1 on the GEMV where its plain product measured faster, GELU after it
+        for layer in layers:
+            layer.gelu = None
+            layer.gemv_fc1 = mimi.use_gemv(layer.mlp.fc1.weight, layer.mlp.fc1.bias)
+
+    def seanet_unfused() -> None:
+        mimi._fused_step = lambda x: False
+
+    def restore() -> None:
+        mimi.Attention.attend_ring, mimi._fused_step = kernel_ring, fused_step
+        for layer, gelu in zip(layers, gelus):
+            layer.gelu = gelu
+
+    # (name, attention, what to change after the decoder has made its GEMV choice)
+    attn = [("window kernel", kernel_ring, None)]
+    if dev == "cuda":
+        attn += [("kernel + scatters", _scatter_then_kernel, None), ("SDPA", _sdpa_ring, None),
+                 ("window kernel, cuBLAS only", kernel_ring, cublas_only),
+                 ("window kernel, SEANet glue unfused", kernel_ring, seanet_unfused),
+                 ("window kernel, GELU apart from fc1", kernel_ring, gelu_apart)]
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype), "rows": [],
            "commit": commit()}
@@ -162,12 +189,12 @@ def main() -> int:
         first = None
         for served in (False, True):
             for cl in (False, True):
-                for attn_name, ring in attn:
+                for attn_name, ring, change in attn:
+                    restore()
                     mimi.Attention.attend_ring = ring
                     dec = m.streaming_decoder(args.served_slots if served else b, cl)  # picks GEMV or cuBLAS
-                    if "cuBLAS only" in attn_name:  # every product on cuBLAS, as before the GEMV choice
-                        for layer in m.decoder_transformer.layers:
-                            layer.self_attn.gemv_qkv = layer.self_attn.gemv_o = layer.gemv_fc1 = layer.gemv_fc2 = False
+                    if change is not None:
+                        change()
                     inp = seq[0].clone()
                     slots = torch.arange(3, 3 + b, device=dev)
 
@@ -193,7 +220,7 @@ def main() -> int:
                                         "ms": ms, "kernels": kernels, "rel_l2_vs_first": rel})
                     log(f"batch {b} {name}: {ms:.3f} ms a step, {kernels if kernels is not None else '-'} kernels, "
                         f"rel. L2 vs the first variant {rel:.1e}")
-        mimi.Attention.attend_ring = kernel_ring
+    restore()
     if args.tf32_check and dev == "cuda":
         res["tf32_check"] = tf32_check(m)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

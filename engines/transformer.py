@@ -205,16 +205,18 @@ _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 _GEMV = os.environ.get("REALTIME_GEMV", "auto").strip().lower()
 
 
-def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partials: bool = False) -> bool:
+def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partials: bool = False,
+             gelu: str | None = None) -> bool:
     """Whether decode-time products with this weight take the Triton GEMV (see ``_GEMV``);
-    ``partials``: the product feeds a residual add + RMSNorm that can sum split-K partials."""
+    ``partials``: the product feeds a residual add + RMSNorm that can sum split-K partials;
+    ``gelu``: the GEMV computes the product's GELU too (F.gelu's ``approximate``)."""
     if not (_KERNELS and w.is_cuda) or _GEMV == "0":
         return False
     if _GEMV == "1":
         return True
     from realtime.kernels.gemv import faster_than_library
 
-    return faster_than_library(w, bias, swiglu, partials)
+    return faster_than_library(w, bias, swiglu, partials, gelu)
 
 
 class CPUProduct:

@@ -1,7 +1,8 @@
-"""Skinny GEMM for decode (M <= 4 rows) as a Triton GEMV, with SwiGLU optionally fused in.
+"""Skinny GEMM for decode (M <= 4 rows) as a Triton GEMV, with SwiGLU or GELU optionally fused in.
 
     linear:  y = x @ w.T (+ bias)                      x [M, K], w [N, K] (nn.Linear layout) -> y [M, N]
     swiglu:  y = silu(x @ wg.T) * (x @ wu.T)           w = [wg | wu] stacked on N (2I rows) -> y [M, I]
+    linear_gelu: y = gelu(x @ w.T (+ bias))            exact (erf) or tanh-approximated, as F.gelu
     linear_partials: the K range split S ways          -> float32 partial sums [S, M, N] (``Partials``)
 
 At batch 1 a decode step is all matrix-vector products, bound by reading the weights once. The
@@ -23,7 +24,8 @@ plain output would be.
 Numerics: float32 accumulation (another summation order than cuBLAS: not bit-equal, within the
 rounding of the output dtype); the bias is added in float32; for SwiGLU, gate and up are each
 rounded to the output dtype, then silu is rounded, then the product, exactly as the eager
-``F.silu(gate) * up`` over bf16 GEMM outputs rounds them.
+``F.silu(gate) * up`` over bf16 GEMM outputs rounds them; for GELU the product is rounded to the
+output dtype, then GELU runs in float32 and is rounded once, as ``F.gelu`` over a GEMM output does.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from torch import Tensor
 
 from ._triton import check, graph_time, pdl_jit, pdl_launch, use_triton
 
-__all__ = ["MAX_M", "Partials", "linear", "swiglu", "linear_partials", "linear_ref", "swiglu_ref",
-           "faster_than_library", "choices"]
+__all__ = ["MAX_M", "Partials", "linear", "swiglu", "linear_gelu", "linear_partials", "linear_ref", "swiglu_ref",
+           "linear_gelu_ref", "faster_than_library", "choices"]
 
 MAX_M = 4  # rows handled by the GEMV; more rows go to the library GEMM (the callers check)
 _TILE = 8192  # weight elements per program per K step (16 KB of bf16 in flight)
@@ -67,6 +69,15 @@ def swiglu_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.silu(gate) * up
 
 
+# GELU forms the epilogue knows, by F.gelu's ``approximate`` argument (0: no GELU).
+_GELU = {"none": 1, "tanh": 2}
+
+
+def linear_gelu_ref(x: Tensor, w: Tensor, bias: Tensor | None = None, approximate: str = "none") -> Tensor:
+    """PyTorch reference: x [M, K], w [N, K] -> F.gelu(x @ w.T + bias, approximate) [M, N]."""
+    return F.gelu(F.linear(x, w, bias), approximate=approximate)
+
+
 @functools.cache
 def _kernels():
     global triton, tl, _epilogue, _w_tiles, _fma_step, _dot_step, _pdl_enter  # the jit'd functions resolve these through module globals
@@ -75,7 +86,8 @@ def _kernels():
     _pdl_enter = pdl_jit()
 
     @triton.jit
-    def _epilogue(y, u, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    def _epilogue(y, u, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                  GELU: tl.constexpr):
         # y, u [BLOCK_M, BLOCK_N] float32 sums of the gate (or only) and up products.
         out_t = y_ptr.dtype.element_ty
         if HAS_BIAS:
@@ -86,6 +98,13 @@ def _kernels():
             g = y.to(out_t).to(tl.float32)
             s = (g / (1.0 + tl.exp(-g))).to(out_t).to(tl.float32)
             y = s * u.to(out_t).to(tl.float32)
+        if GELU == 1:  # exact: x/2 (1 + erf(x / sqrt 2)) on the rounded product
+            g = y.to(out_t).to(tl.float32)
+            y = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        if GELU == 2:  # tanh form: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(z) = 2 sigmoid(2z) - 1
+            g = y.to(out_t).to(tl.float32)
+            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            y = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(out_t), mask=mm[:, None] & nm[None, :])
 
     @triton.jit
@@ -130,6 +149,7 @@ def _kernels():
         K_PER,  # K columns per split (a multiple of BLOCK_K); >= K without a split
         HAS_BIAS: tl.constexpr,
         SWIGLU: tl.constexpr,  # w holds gate rows [0, N) and up rows [N, 2N)
+        GELU: tl.constexpr,  # 0: none, 1: exact GELU, 2: tanh GELU of the product (``_GELU``)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -161,7 +181,7 @@ def _kernels():
             w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
             acc, acc_up = _fma_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU)
         _epilogue(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym,
-                  HAS_BIAS, SWIGLU)
+                  HAS_BIAS, SWIGLU, GELU)
 
     @triton.jit
     def _gemv_dot_kernel(
@@ -175,6 +195,7 @@ def _kernels():
         K_PER,  # K columns per split (a multiple of BLOCK_K); >= K without a split
         HAS_BIAS: tl.constexpr,
         SWIGLU: tl.constexpr,
+        GELU: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         K_STEPS: tl.constexpr,
@@ -205,7 +226,7 @@ def _kernels():
             km = rk < K
             w, wu = _w_tiles(w_rows, up_rows, rk, km, nm, SWIGLU)
             acc, acc_up = _dot_step(acc, acc_up, x_ptr, rm, mm, stride_xm, rk, km, w, wu, SWIGLU, DOT_F32)
-        _epilogue(acc, acc_up, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS, SWIGLU)
+        _epilogue(acc, acc_up, b_ptr, y_ptr, rm, rn, mm, nm, N, stride_ym, HAS_BIAS, SWIGLU, GELU)
 
     return _gemv_kernel, _gemv_dot_kernel
 
@@ -246,15 +267,17 @@ def _candidates(n: int, k: int | None = None, partials: bool = False) -> list[Co
 _best: dict[tuple, Config] = {}  # per weight key: the fastest configuration measured
 
 
-def _key(w: Tensor, bias: Tensor | None, swiglu: bool, partials: bool = False) -> tuple:
+def _key(w: Tensor, bias: Tensor | None, swiglu: bool, partials: bool = False, gelu: str | None = None) -> tuple:
     # Split-K partials exist only for a plain product without bias: other products ignore the flag.
-    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device, partials and bias is None and not swiglu)
+    plain = bias is None and not swiglu and gelu is None
+    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device, partials and plain, gelu)
 
 
 def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool, cfg: Config | None = None,
-            partials: bool = False) -> Tensor:
-    """The product [M, n_out] in x's dtype, or with a split configuration the float32 partial sums
-    [S, M, n_out] (``partials`` must then be True: only a consumer that sums them may get them)."""
+            partials: bool = False, gelu: str | None = None) -> Tensor:
+    """The product [M, n_out] in x's dtype (``gelu``: its GELU, F.gelu's ``approximate``), or with a
+    split configuration the float32 partial sums [S, M, n_out] (``partials`` must then be True: only
+    a consumer that sums them may get them)."""
     check(x.dim() == 2 and w.dim() == 2, f"x must be [M, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}")
     m, k = x.shape
     check(1 <= m <= MAX_M, f"the GEMV takes 1..{MAX_M} rows, got {m}")
@@ -263,13 +286,15 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     check(x.stride(-1) == 1 and w.stride(-1) == 1, "x and w need a unit stride over K")
     if bias is not None:
         check(bias.shape == (w.shape[0],) and bias.is_contiguous(), f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
+    check(gelu is None or gelu in _GELU, f"gelu must be one of {sorted(_GELU)} or None, got {gelu!r}")
     fma_kernel, dot_kernel = _kernels()
     if cfg is None:
-        cfg = _best.get(_key(w, bias, swiglu, partials)) or _default_config(n_out)
+        cfg = _best.get(_key(w, bias, swiglu, partials, gelu)) or _default_config(n_out)
     kind, bn, bk, warps, stages = cfg[:5]
     splits = _splits(cfg)
     if splits > 1:
-        check(partials and bias is None and not swiglu, "a split-K configuration gives partial sums: linear_partials only")
+        check(partials and bias is None and not swiglu and gelu is None,
+              "a split-K configuration gives partial sums: linear_partials only")
     if kind == "fma":
         bm = triton.next_power_of_2(m)
         bk = max(32, bk // bm)  # the same registers for more rows
@@ -287,10 +312,10 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     if kind == "dot":
         # The CPU interpreter multiplies bf16 dot operands as raw bits: it dots in float32.
         f32 = x.dtype == torch.float32 or not x.is_cuda
-        dot_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk,
+        dot_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, GELU=_GELU.get(gelu, 0), BLOCK_N=bn, BLOCK_K=bk,
                          K_STEPS=k_per // bk, DOT_F32=f32, num_warps=warps, num_stages=stages, **pdl_launch(x))
     else:
-        fma_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        fma_kernel[grid](*args, HAS_BIAS=bias is not None, SWIGLU=swiglu, GELU=_GELU.get(gelu, 0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                          K_STEPS=k_per // bk, num_warps=warps, num_stages=stages, **pdl_launch(x))
     return y
 
@@ -323,11 +348,22 @@ def swiglu(x: Tensor, w: Tensor, bias: Tensor | None = None, config: Config | No
     return _launch(x, w, bias, w.shape[0] // 2, True, config)
 
 
+def linear_gelu(x: Tensor, w: Tensor, bias: Tensor | None = None, approximate: str = "none",
+                config: Config | None = None) -> Tensor:
+    """x [M, K] (M <= MAX_M), w [N, K], bias [N] or None -> F.gelu(x @ w.T + bias, approximate) [M, N]
+    in one launch (an MLP's first product: no separate GELU kernel)."""
+    if not use_triton("gemv", x, w):
+        return linear_gelu_ref(x, w, bias, approximate)
+    return _launch(x, w, bias, w.shape[0], False, config, gelu=approximate)
+
+
 _L2_FLUSH_BYTES = 192 << 20  # > 3x the H100/H200 L2: the timed weights come from HBM, as in a decode step
 
 
-def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partials: bool = False) -> bool:
-    """Whether the GEMV (optionally with SwiGLU) beats the library path for one row on this weight.
+def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partials: bool = False,
+                        gelu: str | None = None) -> bool:
+    """Whether the GEMV (optionally with SwiGLU, or GELU: F.gelu's ``approximate``) beats the library
+    path (with the same activation after it) for one row on this weight.
 
     ``partials``: the caller takes ``linear_partials`` (its consumer sums split-K partials), so
     split-K configurations are timed too; the choice is kept apart from the plain one.
@@ -340,18 +376,22 @@ def faster_than_library(w: Tensor, bias: Tensor | None = None, swiglu: bool = Fa
     if not w.is_cuda or not use_triton("gemv", w):
         return False
     _kernels()
-    key = _key(w, bias, swiglu, partials)
+    key = _key(w, bias, swiglu, partials, gelu)
     if key not in _choice:
         copies = max(2, min(64, -(-_L2_FLUSH_BYTES // (w.numel() * w.element_size()))))
         ws = [w] + [w.clone() for _ in range(copies - 1)]
         x = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype)
         n_out = w.shape[0] // 2 if swiglu else w.shape[0]
-        ref = swiglu_ref if swiglu else linear_ref
+        if gelu is not None:
+            ref = functools.partial(linear_gelu_ref, approximate=gelu)
+        else:
+            ref = swiglu_ref if swiglu else linear_ref
         lib = graph_time([lambda wi=wi: ref(x, wi, bias) for wi in ws])
         best, best_t = None, lib
-        for cfg in _candidates(n_out, w.shape[1], key[-1]):
+        split = key[5]
+        for cfg in _candidates(n_out, w.shape[1], split):
             try:
-                t = graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg, key[-1]) for wi in ws])
+                t = graph_time([lambda wi=wi, cfg=cfg: _launch(x, wi, bias, n_out, swiglu, cfg, split, gelu) for wi in ws])
             except Exception:  # a configuration that does not compile or launch here is skipped
                 continue
             if t < best_t:
@@ -371,4 +411,4 @@ _timings: dict[tuple, dict] = {}  # what the choice measured (benchmarks print i
 def choices() -> list[dict]:
     """The measured choices so far: shape, swiglu, library and best GEMV time (µs), configuration."""
     return [{"shape": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "bias": k[2], "swiglu": k[3],
-             "partials": k[5], **v, "gemv": _choice[k]} for k, v in _timings.items()]
+             "partials": k[5], "gelu": k[6], **v, "gemv": _choice[k]} for k, v in _timings.items()]

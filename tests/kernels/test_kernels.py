@@ -199,6 +199,13 @@ def test_gemv_linear_and_swiglu(cpu_kernels, case, dtype):
         a = gemv.swiglu(x, w, b, cfg)
         assert a.shape == (m, n) and a.dtype == dtype
         _close(a, gemv.swiglu_ref(x.double(), w.double(), None if b is None else b.double()), dtype)
+        for approx in ("none", "tanh"):
+            gl = gemv.linear_gelu(x, w, b, approx, cfg)
+            assert gl.shape == (m, 2 * n) and gl.dtype == dtype
+            # GELU of the product as rounded to the output dtype, as F.gelu after a bf16 GEMM sees it
+            want = gemv.linear_gelu_ref(y.double(), torch.eye(2 * n, dtype=torch.float64), None, approx)
+            _close(gl, want, dtype)
+            _close(gl, gemv.linear_gelu_ref(x.double(), w.double(), None if b is None else b.double(), approx), dtype)
     # a strided row view (the engine passes slices) and a weight slice of a bigger tensor
     xs = torch.randn(m, 2 * k, generator=g).to(dtype)[:, :k]
     _close(gemv.linear(xs, w[:n]), gemv.linear_ref(xs.double(), w[:n].double()), dtype)
@@ -242,6 +249,8 @@ def test_gemv_checks_and_choice(cpu_kernels):
         gemv.linear(x[:2], w[:, :8])
     with pytest.raises(ValueError, match="gate and up"):
         gemv.swiglu(x[:1], w[:7])
+    with pytest.raises(ValueError, match="gelu must be"):
+        gemv.linear_gelu(x[:1], w, None, "erf")
     assert gemv.faster_than_library(w) is False  # no CUDA: the library path
     from realtime.engines.transformer import project
 
@@ -433,13 +442,17 @@ def test_mimi_step_with_gemv(cpu_kernels, monkeypatch):
             return torch.cat([tr.step(x + i, st) for i in range(4)], 1)
 
     calls = []
-    real = gemv.linear
-    monkeypatch.setattr(gemv, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("linear", "linear_gelu"):
+        monkeypatch.setattr(gemv, name, lambda *a, real=getattr(gemv, name), name=name, **k: calls.append(name) or real(*a, **k))
+    assert tr.layers[0].gelu == "none"  # the tiny config's exact GELU: fc1's GEMV applies it
     for b in (1, 2, 3):  # 2, 4 and 6 rows a step
         want = run(b, False)
         calls.clear()
         got = run(b, True)
-        assert len(calls) == (4 * 2 * 4 if 2 * b <= gemv.MAX_M else 0)  # 4 products x 2 layers x 4 steps
+        fits = 2 * b <= gemv.MAX_M
+        # 3 plain products and fc1 + GELU, x 2 layers x 4 steps
+        assert calls.count("linear") == (3 * 2 * 4 if fits else 0)
+        assert calls.count("linear_gelu") == (2 * 4 if fits else 0)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -616,12 +629,13 @@ for dt in ("bf16", "fp32"):
     comp(rot_cache, dict(qkv_ptr=f"*{dt}", cos_ptr=f"*{dt}", sin_ptr=f"*{dt}", pos_ptr="*i64", slots_ptr="*i64",
          qo_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}"), dict(HALF=32, BLOCK_HALF=32), 1)
     fma, dot = gemv._kernels()
-    for swiglu in (False, True):
+    for swiglu, gelu in ((False, 0), (True, 0), (False, 1), (False, 2)):
         sig = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr=f"*{dt}")
-        comp(fma, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, K_STEPS=4), 8)
-        comp(dot, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, BLOCK_N=32, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
+        comp(fma, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, GELU=gelu, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, K_STEPS=4), 8)
+        comp(dot, sig, dict(HAS_BIAS=swiglu, SWIGLU=swiglu, GELU=gelu, BLOCK_N=32, BLOCK_K=128, K_STEPS=8,
+                            DOT_F32=dt == "fp32"), 4)
     comp(dot, dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr="*fp32"),
-         dict(HAS_BIAS=False, SWIGLU=False, BLOCK_N=16, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
+         dict(HAS_BIAS=False, SWIGLU=False, GELU=0, BLOCK_N=16, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
     split, merge = decode_attention._kernels()
     comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
          acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
