@@ -828,6 +828,19 @@ def test_gpu_gemv(dtype):
             got = gemv.swiglu(x, w, b, cfg)
             assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
         gemv.faster_than_library(w, b, swiglu=True)
+    for n, k in ((2048, 512), (8192, 1024)):  # fc1 + GELU (Mimi's shape, and a larger one)
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+        b = torch.randn(n, device="cuda").to(dtype)
+        for m in (1, 4):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            for approx in ("none", "tanh"):
+                want = gemv.linear_gelu_ref(x.double(), w.double(), b.double(), approx)
+                for cfg in [None] + gemv._candidates(n):
+                    got = gemv.linear_gelu(x, w, b, approx, cfg)
+                    assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
+        eager, replay = _graph(lambda: gemv.linear_gelu(x, w, b))
+        assert torch.equal(eager, replay)
+        gemv.faster_than_library(w, b, gelu="none")
     for n, k in ((1024, 8192), (2048, 8192), (2048, 2048)):  # split-K for the products feeding add + norm
         w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
         x = torch.randn(1, k, device="cuda", dtype=dtype)
