@@ -8,12 +8,12 @@
 source bench/h200_run.sh "$0" "$@"
 
 echo "== GPU tests"
-timeout 420 python3 -m pytest -q -s -rs -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
+timeout 400 python3 -m pytest -q -s -rs --durations=12 -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
   tests/server/test_text_server.py > "$work/gpu_tests.log" 2>&1
-grep -E "passed|failed|error|FAILED|SKIPPED| us, | ms/frame" "$work/gpu_tests.log" | cut -c1-200 | tail -40
+grep -E "passed|failed|error|FAILED|SKIPPED| ms (graph)|fused vs|^[0-9.]+s (call|setup)" "$work/gpu_tests.log" | cut -c1-200 | tail -40
 
 echo "== Mimi switches"
-timeout 120 python3 bench/mimi.py --tf32-check --out "$work/mimi_h200.json" > "$work/mimi.log" 2>&1
-grep "batch\|float32" "$work/mimi.log" | cut -c1-170
+timeout 150 python3 bench/mimi.py --tf32-check --profile --out "$work/mimi_h200.json" > "$work/mimi.log" 2>&1
+grep "served, channels\|float32" "$work/mimi.log" | cut -c12-150
 
 pack_results

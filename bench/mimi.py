@@ -14,7 +14,11 @@ as the Triton window kernel (which also writes the step's keys into the ring), t
 scatters, or SDPA with the same mask; and the window kernel with every product on cuBLAS (no
 decode GEMV, whatever ``Transformer.choose_gemv`` measured), with the SEANet convs' elementwise glue
 as plain PyTorch ops instead of ``kernels.seanet`` (ELU + state concat, overlap add + bias), or with
-fc1's GELU as its own kernel instead of in the GEMV's epilogue. ``--tf32-check`` (CUDA) also steps the
+fc1's GELU as its own kernel instead of in the GEMV's epilogue; served, also with the slots' state
+gathered before the step and written back after it (as before the kernels stepped it in place;
+the SDPA and scatter variants always gather); and with the RVQ decode as PyTorch ops (two gathers,
+sums and projections) instead of one gather-and-sum over the projection-folded codebooks.
+``--profile`` prints the kernel table of the default served step at the first batch size. ``--tf32-check`` (CUDA) also steps the
 same slots as a batch of 3 and of 4 in float32, per layout and TF32 setting: why float32 keeps NCW.
 The outputs of all variants are compared with the first over 24 frames.
 """
@@ -59,7 +63,7 @@ def build(device: str, dtype: torch.dtype):  # noqa: ANN201
     return m
 
 
-def _sdpa_ring(self, q, k, v, qpos, kpos, window, new):  # noqa: ANN001, ANN202
+def _sdpa_ring(self, q, k, v, qpos, kpos, window, new, rows=None):  # noqa: ANN001, ANN202
     """The ring attention as cuDNN SDPA with the position mask, after two scatters of the new keys."""
     from realtime.codecs.mimi import window_mask
     from realtime.kernels.window_attention import ring_write_ref
@@ -68,7 +72,7 @@ def _sdpa_ring(self, q, k, v, qpos, kpos, window, new):  # noqa: ANN001, ANN202
     return self.attend(q, k, v, window_mask(qpos, kpos, window))
 
 
-def _scatter_then_kernel(self, q, k, v, qpos, kpos, window, new):  # noqa: ANN001, ANN202
+def _scatter_then_kernel(self, q, k, v, qpos, kpos, window, new, rows=None):  # noqa: ANN001, ANN202
     """The window kernel after two scatters of the new keys (the ring write outside the kernel)."""
     from realtime.kernels.window_attention import ring_write_ref, window_attention
 
@@ -114,6 +118,19 @@ def time_step(step, out_ref, device: str) -> tuple[float, int | None]:  # noqa: 
     return statistics.median(ts), kernels
 
 
+def profile_table(graph) -> str:  # noqa: ANN001
+    """The kernels of 10 replays of a captured step, by total time (what a step spends where)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=60)
+    print(table, flush=True)
+    return table
+
+
 def tf32_check(m) -> list[dict]:  # noqa: ANN001
     """float32: the same 3 slots stepped as a batch of 3 and of 4 (a padding row), per layout and TF32."""
     rows = []
@@ -143,6 +160,7 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=24, help="frames decoded to compare the variants' outputs")
     ap.add_argument("--served-slots", type=int, default=SERVED_SLOTS, help="slots of the served decoder")
     ap.add_argument("--tf32-check", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernel table of the default served step (CUDA)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mimi.json"))
     args = ap.parse_args()
     if args.served_slots < 3 + max(args.batches):  # the served rows are slots 3 .. 3 + B - 1
@@ -152,34 +170,51 @@ def main() -> int:
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     m = build(dev, dtype)
-    kernel_ring, fused_step = mimi.Attention.attend_ring, mimi._fused_step
+    from realtime.kernels import seanet
+
+    kernel_ring, glue = mimi.Attention.attend_ring, (seanet.state_concat, seanet.overlap_add)
     layers = m.decoder_transformer.layers
     gelus = [layer.gelu for layer in layers]
 
-    def cublas_only() -> None:  # every product on cuBLAS, as before the GEMV choice
+    def gathered(dec) -> None:  # noqa: ANN001
+        dec.in_place = False
+
+    def cublas_only(dec) -> None:  # noqa: ANN001  every product on cuBLAS, as before the GEMV choice
         for layer in layers:
             layer.self_attn.gemv_qkv = layer.self_attn.gemv_o = layer.gemv_fc1 = layer.gemv_fc2 = False
 
-    def gelu_apart() -> None:  # fc1 on the GEMV where its plain product measured faster, GELU after it
+    def gelu_apart(dec) -> None:  # noqa: ANN001  # fc1 on the GEMV where its plain product measured faster, GELU after it
         for layer in layers:
             layer.gelu = None
             layer.gemv_fc1 = mimi.use_gemv(layer.mlp.fc1.weight, layer.mlp.fc1.bias)
 
-    def seanet_unfused() -> None:
-        mimi._fused_step = lambda x: False
+    def seanet_unfused(dec) -> None:  # noqa: ANN001  the glue as PyTorch ops (the refs); the state gathered
+        dec.in_place = False
+        seanet.state_concat, seanet.overlap_add = seanet.state_concat_ref, seanet.overlap_add_ref
+
+    from realtime.kernels import codebook
+
+    codebook_kernel = codebook.codebook_sum
+
+    def rvq_ops(dec) -> None:  # noqa: ANN001
+        codebook.codebook_sum = lambda codes, table, dtype: m.quantizer.decode(codes, dtype)
 
     def restore() -> None:
-        mimi.Attention.attend_ring, mimi._fused_step = kernel_ring, fused_step
+        mimi.Attention.attend_ring = kernel_ring
+        seanet.state_concat, seanet.overlap_add = glue
+        codebook.codebook_sum = codebook_kernel
         for layer, gelu in zip(layers, gelus):
             layer.gelu = gelu
 
     # (name, attention, what to change after the decoder has made its GEMV choice)
     attn = [("window kernel", kernel_ring, None)]
     if dev == "cuda":
-        attn += [("kernel + scatters", _scatter_then_kernel, None), ("SDPA", _sdpa_ring, None),
+        attn += [("window kernel, state gathered", kernel_ring, gathered),
+                 ("kernel + scatters", _scatter_then_kernel, gathered), ("SDPA", _sdpa_ring, gathered),
                  ("window kernel, cuBLAS only", kernel_ring, cublas_only),
-                 ("window kernel, SEANet glue unfused", kernel_ring, seanet_unfused),
-                 ("window kernel, GELU apart from fc1", kernel_ring, gelu_apart)]
+                 ("window kernel, state gathered, SEANet glue unfused", kernel_ring, seanet_unfused),
+                 ("window kernel, GELU apart from fc1", kernel_ring, gelu_apart),
+                 ("window kernel, RVQ decode as PyTorch ops", kernel_ring, rvq_ops)]
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype), "rows": [],
            "commit": commit()}
@@ -194,7 +229,7 @@ def main() -> int:
                     mimi.Attention.attend_ring = ring
                     dec = m.streaming_decoder(args.served_slots if served else b, cl)  # picks GEMV or cuBLAS
                     if change is not None:
-                        change()
+                        change(dec)
                     inp = seq[0].clone()
                     slots = torch.arange(3, 3 + b, device=dev)
 
@@ -203,6 +238,9 @@ def main() -> int:
 
                     keep: list = []
                     ms, kernels = time_step(step, keep, dev)
+                    if args.profile and dev == "cuda" and served and cl and change is None and ring is kernel_ring \
+                            and b == args.batches[0]:
+                        res["profile_served_b%d" % b] = profile_table(keep[1])
                     dec.reset()
                     outs = []
                     for i in range(args.frames):  # the same frames through every variant, from a reset

@@ -204,9 +204,11 @@ _GEMV_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh"}
 
 
 def _fused_step(x: torch.Tensor) -> bool:
-    """Whether a conv step on x runs its elementwise glue as one Triton kernel (``kernels.seanet``:
-    ELU + state concat + state update; overlap add + tail update + bias). On CUDA with the kernels
-    on; elsewhere the plain PyTorch ops, exactly as they were."""
+    """Whether a streaming step on x runs its glue as Triton kernels: a conv step's elementwise ops
+    (``kernels.seanet``: ELU + state concat + state update; overlap add + tail update + bias), and
+    the transformer's ring positions and window attention (``kernels.window_attention``), which can
+    also step a subset of the slots' state in place. On CUDA with the kernels on; elsewhere the
+    plain PyTorch ops, exactly as they were."""
     return use_kernels() and x.is_cuda
 
 
@@ -240,9 +242,11 @@ class CausalConv1d(nn.Module):
         return (self.c_in, self.pad)
 
     def step(self, x: torch.Tensor, state: torch.Tensor, fresh: torch.Tensor | None = None,
-             elu: bool = False) -> torch.Tensor:
+             elu: bool = False, rows: torch.Tensor | None = None, bias: bool = True) -> torch.Tensor:
         """x [B, C, n*stride], state [B, C, pad] (updated in place) -> [B, C', n]. Or all three
-        channels-last and 4-D: [B, C, 1, T] (see ``MimiStreamingDecoder``).
+        channels-last and 4-D: [B, C, 1, T] (see ``MimiStreamingDecoder``). ``rows`` [B]: the
+        state is [S, C, pad] and row b steps its row rows[b] in place (the fused path only).
+        ``bias=False`` (the fused path only) leaves the bias to the caller.
 
         ``fresh`` [B] bool marks slots whose stream starts now: with replicate padding their left
         context is the first input sample repeated (what offline replicate padding sees).
@@ -253,11 +257,13 @@ class CausalConv1d(nn.Module):
         if self.pad and not self.replicate and _fused_step(x):
             from realtime.kernels.seanet import state_concat
 
-            return conv(self.conv, state_concat(x, state, elu))
+            return conv(self.conv, state_concat(x, state, elu, rows), bias)
+        assert rows is None or self.pad == 0, "rows= needs the fused step"
         if elu:
             x = F.elu(x)
         if self.pad == 0:
-            return conv(self.conv, x)
+            return conv(self.conv, x, bias)
+        assert bias, "bias=False needs the fused step"
         left = state
         if self.replicate:
             assert fresh is not None and x.dim() == 3
@@ -288,9 +294,9 @@ class CausalConvTranspose1d(nn.Module):
     def state_shape(self) -> tuple[int, int]:
         return (self.c_out, self.overlap)
 
-    def step(self, x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, tail: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, C, n], tail [B, C', kernel - stride] (updated in place) -> [B, C', n * stride]. Or all
-        three channels-last and 4-D: [B, C, 1, T]."""
+        three channels-last and 4-D: [B, C, 1, T]. ``rows``: as ``CausalConv1d.step``."""
         # Without bias so the bias is added once per output sample, not once per overlapping input.
         if x.dim() == 3:
             y = F.conv_transpose1d(x, self.conv.weight, None, self.stride, groups=self.conv.groups)
@@ -300,7 +306,8 @@ class CausalConvTranspose1d(nn.Module):
         if self.overlap and _fused_step(y):
             from realtime.kernels.seanet import overlap_add
 
-            return overlap_add(y, tail, self.conv.bias, n_out)
+            return overlap_add(y, tail, self.conv.bias, n_out, rows)
+        assert rows is None or self.overlap == 0, "rows= needs the fused step"
         if self.overlap:
             head = y[..., : self.overlap] + tail
             tail.copy_(y[..., n_out:])
@@ -335,11 +342,21 @@ class ResBlock(nn.Module):
         h = self.block[3](F.elu(h))
         return (x if self.shortcut is None else self.shortcut(x)) + h
 
-    def step(self, x: torch.Tensor, states: list[torch.Tensor]) -> torch.Tensor:
-        h = self.block[1].step(x, states[0], elu=True)
-        h = self.block[3].step(F.elu(h), states[1])  # 1x1: no state to fuse the ELU with
-        res = x if self.shortcut is None else self.shortcut.step(x, states[2])
-        return res + h
+    def step(self, x: torch.Tensor, states: list[torch.Tensor], rows: torch.Tensor | None = None,
+             elu_out: bool = False) -> torch.Tensor:
+        """The block's streaming step (``elu_out``: the ELU of its output, for an ELU that follows)."""
+        conv_k, conv_1 = self.block[1], self.block[3]
+        res = x if self.shortcut is None else self.shortcut.step(x, states[2], rows=rows)
+        if _fused_step(x) and conv_k.conv.bias is not None and conv_1.conv.bias is not None:
+            from realtime.kernels.seanet import bias_act
+
+            # Each bias in the kernel after its conv: with the ELU, and with the residual add (+ ELU)
+            h = bias_act(conv_k.step(x, states[0], elu=True, rows=rows, bias=False), conv_k.conv.bias, elu=True)
+            h = conv_1.step(h, states[1], rows=rows, bias=False)
+            return bias_act(h, conv_1.conv.bias, residual=res, elu=elu_out)
+        h = conv_k.step(x, states[0], elu=True, rows=rows)
+        h = conv_1.step(F.elu(h), states[1], rows=rows)  # 1x1: no state to fuse the ELU with
+        return F.elu(res + h) if elu_out else res + h
 
 
 class _SEANet(nn.Module):
@@ -361,23 +378,29 @@ class _SEANet(nn.Module):
                 shapes.append(layer.state_shape())
         return shapes
 
-    def step(self, x: torch.Tensor, states: list[torch.Tensor]) -> torch.Tensor:
-        i, elu, layers = 0, False, list(self.layers)
+    def step(self, x: torch.Tensor, states: list[torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, C, T] -> the layers' streaming output; ``states`` (updated in place) as
+        ``state_shapes``; ``rows``: the states are [S, ...] and row b steps row rows[b] of each."""
+        i, elu, applied, layers = 0, False, False, list(self.layers)
         for j, layer in enumerate(layers):
             if isinstance(layer, nn.ELU):
-                # An ELU right before a CausalConv1d is left to that conv's step (fused with its state).
+                # An ELU right before a CausalConv1d is left to that conv's step (fused with its
+                # state); one right after a res block, to the block (fused with its residual add).
                 elu = j + 1 < len(layers) and isinstance(layers[j + 1], CausalConv1d)
-                if not elu:
+                if not elu and not applied:
                     x = F.elu(x)
+                applied = False
             elif isinstance(layer, ResBlock):
                 n = len(layer.convs())
-                x = layer.step(x, states[i: i + n])
+                nxt = layers[j + 1: j + 3]
+                applied = (len(nxt) == 2 and isinstance(nxt[0], nn.ELU) and not isinstance(nxt[1], CausalConv1d))
+                x = layer.step(x, states[i: i + n], rows, elu_out=applied)
                 i += n
             elif isinstance(layer, CausalConvTranspose1d):
-                x = layer.step(x, states[i])
+                x = layer.step(x, states[i], rows)
                 i += 1
             else:
-                x, elu = layer.step(x, states[i], elu=elu), False
+                x, elu = layer.step(x, states[i], elu=elu, rows=rows), False
                 i += 1
         assert i == len(states)
         return x
@@ -515,20 +538,23 @@ class Attention(nn.Module):
 
     def attend_ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor,
                     kpos: torch.Tensor, window: int,
-                    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
         """``attend`` over a KV ring by positions: q [B, H, n, D] at qpos [B, n], k/v [B, Hkv, C, D]
         at kpos [B, C] (-1 empty); a query sees keys 0 <= qpos - kpos < window -> [B, n, C_out].
         ``new`` = (k_new, v_new [B, Hkv, n, D], ring [B, n]): the step's keys, written into the ring
         at those slots first. On CUDA one Triton kernel (``kernels.window_attention``) does the
-        write and the attention and writes the layout o_proj reads."""
-        if use_kernels() and q.is_cuda:
+        write and the attention and writes the layout o_proj reads. ``rows`` [B] (that path only):
+        k, v, kpos are the whole ring [S, ...] and row b attends its row rows[b]."""
+        if _fused_step(q):
             from realtime.kernels.window_attention import window_attention
 
-            o = window_attention(q, k, v, qpos, kpos, window, self.scale, new)  # [B, n, H, D]
+            o = window_attention(q, k, v, qpos, kpos, window, self.scale, new, rows)  # [B, n, H, D]
             b, t = o.shape[:2]
             return self.output(o.reshape(b, t, self.h * self.d))
         from realtime.kernels.window_attention import ring_write_ref
 
+        assert rows is None, "rows= needs the fused step"
         ring_write_ref(k, v, *new)
         return self.attend(q, k, v, window_mask(qpos, kpos, window))
 
@@ -678,23 +704,33 @@ class Transformer(nn.Module):
         kp[:, -1] = 0
         return KVState(kv=torch.zeros(shape, device=device, dtype=dtype), kp=kp)
 
-    def step(self, x: torch.Tensor, st: KVState) -> torch.Tensor:
+    def writes_first(self, n: int) -> bool:
+        """Whether a step of n tokens writes its keys into the ring before attending (see ``step``)."""
+        return n + max(self.window - 1, 0) <= self.ring_size()
+
+    def step(self, x: torch.Tensor, st: KVState, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Streaming: x [B, n, C] (the next n tokens of every slot) -> [B, n, C]; ``st`` updated in place.
 
         When the ring has room for the n new keys beside the W - 1 past ones they need (a step of one
         code frame), the keys go into the ring first and the queries attend over the ring alone. A
         longer step attends over [ring, new keys] and then keeps the last ones in the ring. Either
-        way the position mask, not the ring order, decides what a query sees."""
+        way the position mask, not the ring order, decides what a query sees. ``rows`` [B] (a
+        write-first step on the fused path only): ``st`` holds S rows and row b of x steps st's row
+        rows[b] in place."""
         b, n, _ = x.shape
         cw = st.kv_pos.shape[1]
-        qpos = st.pos[:, None] + torch.arange(n, device=x.device)  # [B, n]
-        cos, sin = self._rope(qpos, x.dtype)
-        first = n + max(self.window - 1, 0) <= cw  # write first: nothing a query needs is overwritten
-        keep = min(n, cw)  # only the last Cw new tokens can ever be needed again
-        ring = qpos[:, n - keep:] % cw
-        if first:
-            st.kv_pos.scatter_(1, ring, qpos[:, n - keep:])
+        first = self.writes_first(n)  # write first: nothing a query needs is overwritten
+        if first:  # positions, ring slots, RoPE angles, the ring's positions (one kernel where fused)
+            from realtime.kernels.window_attention import ring_positions, ring_positions_ref
+
+            positions = ring_positions if _fused_step(x) else ring_positions_ref
+            qpos, ring, cos, sin = positions(st.kp, self.inv_freq, n, x.dtype, rows)
         else:
+            assert rows is None, "rows= needs a write-first step"
+            qpos = st.pos[:, None] + torch.arange(n, device=x.device)  # [B, n]
+            cos, sin = self._rope(qpos, x.dtype)
+            keep = min(n, cw)  # only the last Cw new tokens can ever be needed again
+            ring = qpos[:, n - keep:] % cw
             mask = window_mask(qpos, torch.cat([st.kv_pos, qpos], dim=1), self.window)  # keys: [ring, new]
             idx = ring[:, None, :, None].expand(b, self.cfg.num_kv_heads, keep, self.cfg.head_dim)
         h = self.layers[0].input_layernorm(x)
@@ -702,7 +738,7 @@ class Transformer(nn.Module):
             q, k, v = layer.self_attn.qkv(h, cos, sin)
             kc, vc = st.k[i], st.v[i]
             if first:
-                a = layer.self_attn.attend_ring(q, kc, vc, qpos, st.kv_pos, self.window, (k, v, ring))
+                a = layer.self_attn.attend_ring(q, kc, vc, qpos, st.kv_pos, self.window, (k, v, ring), rows)
             else:
                 a = layer.self_attn.attend(q, torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2), mask)
                 kc.scatter_(2, idx, k[:, :, n - keep:])
@@ -713,7 +749,7 @@ class Transformer(nn.Module):
             x, h = _add_norm(x, m, layer.mlp_layer_scale, nxt)
         if not first:
             st.kv_pos.scatter_(1, ring, qpos[:, n - keep:])
-        st.pos.add_(n)
+            st.pos.add_(n)
         return x
 
 
@@ -781,6 +817,25 @@ class SplitRVQ(nn.Module):
         if codes.shape[1] > self.n_sem:
             out = out + self.acoustic_residual_vector_quantizer.decode(codes[:, self.n_sem:], dtype)
         return out
+
+    def folded_table(self) -> torch.Tensor:
+        """Every codebook with its quantizer's output projection folded in: [K, card, C] float32,
+        table[k] = codebook_k @ W.T, semantic codebooks first (``kernels.codebook``: a step's
+        decode is then one gather-and-sum). Made once per weights and device, then cached."""
+        rvqs = (self.semantic_residual_vector_quantizer, self.acoustic_residual_vector_quantizer)
+        params = [t for q in rvqs for t in (q.codebooks, None if q.output_proj is None else q.output_proj.weight)
+                  if t is not None]
+        key = tuple((t.data_ptr(), t._version, t.device) for t in params)
+        if getattr(self, "_folded_key", None) != key:
+            parts = []
+            with torch.no_grad():
+                for q in rvqs:
+                    cb = q.codebooks.float()  # [k, card, dim]
+                    if q.output_proj is not None:
+                        cb = cb @ q.output_proj.weight[:, :, 0].float().t()  # [k, card, C]
+                    parts.append(cb)
+            self._folded, self._folded_key = torch.cat(parts).contiguous(), key
+        return self._folded
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1013,7 +1068,9 @@ class MimiStreamingDecoder:
 
     Layout: the conv states are views of one [B, total] buffer and the KV ring is two tensors, so
     ``step(codes, slots)`` (a batch of some slots, as the server runs it) gathers and writes back a
-    slot's whole state in three kernels each. With ``channels_last`` (the default on CUDA in bf16 and
+    slot's whole state in three kernels each. Where the step runs on the kernels (``_fused_step``,
+    one code frame) and ``in_place`` is set (the default), it gathers nothing: every kernel that
+    touches a state reads and writes the slots' rows of the whole state in place. With ``channels_last`` (the default on CUDA in bf16 and
     fp16) the SEANet decoder runs on channels-last 4-D activations [B, C, 1, T], which cuDNN
     convolves without layout transposes. On the CPU, and in float32 (the parity mode), the plain
     [B, C, T] path stays: there cuDNN's TF32 convs pick their algorithm by batch size in either
@@ -1038,6 +1095,9 @@ class MimiStreamingDecoder:
         self.upsample_tail, *self.convs = _state_views(self.state, self._shapes, self._layouts)
         self.kv = mimi.decoder_transformer.new_state(batch_size, dev, dt)
         mimi.decoder_transformer.choose_gemv()  # the step's products: GEMV or cuBLAS, measured per shape
+        if _fused_step(self.state):
+            mimi.quantizer.folded_table()  # made now, outside any graph capture
+        self.in_place = True  # False: always gather a slot subset's state and write it back (A/B runs)
 
     @torch.no_grad()
     def step(self, codes: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -1050,6 +1110,9 @@ class MimiStreamingDecoder:
             assert codes.shape[0] == self.batch_size, "codes batch must equal the decoder's batch_size"
             return self._step(codes, self.upsample_tail, self.convs, self.kv)
         assert codes.shape[0] == slots.shape[0], "one row of codes per slot"
+        if self.in_place and codes.shape[-1] == 1 and _fused_step(self.state):
+            # One frame on the kernels: each state-touching kernel steps the slots' rows in place.
+            return self._step(codes, self.upsample_tail, self.convs, self.kv, slots)
         state, kv = self.state[slots], self.kv.select(slots)
         tail, *convs = _state_views(state, self._shapes, self._layouts)
         out = self._step(codes, tail, convs, kv)
@@ -1057,14 +1120,22 @@ class MimiStreamingDecoder:
         self.kv.write(slots, kv)
         return out
 
-    def _step(self, codes: torch.Tensor, tail: torch.Tensor, convs: list[torch.Tensor], kv: KVState) -> torch.Tensor:
+    def _step(self, codes: torch.Tensor, tail: torch.Tensor, convs: list[torch.Tensor], kv: KVState,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
         m = self.mimi
-        x = m.upsample.step(m.quantizer.decode(codes, m._dtype), tail)
+        if _fused_step(self.state) and codes.shape[1] == m.num_codebooks:
+            from realtime.kernels.codebook import codebook_sum
+
+            # RVQ decode as one gather-and-sum over the projection-folded codebooks
+            latents = codebook_sum(codes, m.quantizer.folded_table(), m._dtype)
+        else:
+            latents = m.quantizer.decode(codes, m._dtype)
+        x = m.upsample.step(latents, tail, rows)
         # Time-major [B, T, C] into the transformer, so its output, seen as [B, C, T], is channels-last.
-        x = m.decoder_transformer.step(x.transpose(1, 2).contiguous(), kv).transpose(1, 2)
+        x = m.decoder_transformer.step(x.transpose(1, 2).contiguous(), kv, rows).transpose(1, 2)
         if self.channels_last:
-            return from_cl(m.decoder.step(to_cl(x), convs))
-        return m.decoder.step(x, convs)
+            return from_cl(m.decoder.step(to_cl(x), convs, rows))
+        return m.decoder.step(x, convs, rows)
 
     def reset(self, mask: torch.Tensor | None = None) -> None:
         """Restart the streams of the slots where ``mask`` [B] is True (all slots when None)."""

@@ -37,19 +37,25 @@ def cl_weight(conv: nn.Conv1d | nn.ConvTranspose1d) -> Tensor:
     return conv._cl_weight
 
 
-def conv1d_cl(conv: nn.Conv1d, x: Tensor, padding: int | None = None) -> Tensor:
+def conv1d_cl(conv: nn.Conv1d, x: Tensor, padding: int | None = None, bias: bool = True) -> Tensor:
     """``conv(x)`` for channels-last x [B, C, 1, T] -> [B, C', 1, T']. ``padding`` (both sides)
-    defaults to the module's own; padding modes other than zeros are not supported."""
+    defaults to the module's own; padding modes other than zeros are not supported; ``bias=False``
+    leaves the bias out."""
     assert conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
     pad = conv.padding[0] if padding is None else padding
-    return F.conv2d(x, cl_weight(conv), conv.bias, (1, conv.stride[0]), (0, pad), (1, conv.dilation[0]), conv.groups)
+    return F.conv2d(x, cl_weight(conv), conv.bias if bias else None, (1, conv.stride[0]), (0, pad),
+                    (1, conv.dilation[0]), conv.groups)
 
 
-def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: Tensor) -> Tensor:
-    """``m(x)`` in x's layout: [B, C, T] as the module runs it, channels-last [B, C, 1, T] as above."""
+def conv(m: nn.Conv1d | nn.ConvTranspose1d, x: Tensor, bias: bool = True) -> Tensor:
+    """``m(x)`` in x's layout: [B, C, T] as the module runs it, channels-last [B, C, 1, T] as above
+    (``bias=False``: without the module's bias; a consumer adds it, fused with its own work)."""
     if x.dim() == 3:
-        return m(x)
-    return conv1d_cl(m, x) if isinstance(m, nn.Conv1d) else conv_transpose1d_cl(m, x)
+        if bias:
+            return m(x)
+        assert isinstance(m, nn.Conv1d) and m.padding_mode == "zeros"
+        return F.conv1d(x, m.weight, None, m.stride, m.padding, m.dilation, m.groups)
+    return conv1d_cl(m, x, bias=bias) if isinstance(m, nn.Conv1d) else conv_transpose1d_cl(m, x, bias=bias)
 
 
 def conv_transpose1d_cl(conv: nn.ConvTranspose1d, x: Tensor, bias: bool = True, padding: int | None = None) -> Tensor:

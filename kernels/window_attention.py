@@ -13,6 +13,15 @@ With ``new=(k_new, v_new, ring)`` the kernel first writes the step's own keys an
 ring (k_new/v_new [B, Hkv, n, D] at ring slots ring [B, n]), then attends: each program writes the
 rows of its own (row, kv head), so a block barrier orders the write before its reads. That replaces
 two scatter kernels a layer (16 of ~3.6 µs a Mimi step on the H200).
+
+With ``rows`` [B] (int64, on the device) query row b attends ring row rows[b] of bigger k / v / kpos
+tensors [S, ...] (and writes its new keys there): the server's step over a subset of its slots
+then gathers no KV ring before the step and writes none back after it.
+
+``ring_positions`` is the step's position bookkeeping in one kernel: each row's query positions,
+their ring slots, the RoPE angles' cos and sin, the ring's position entries and the row's next
+position (an arange, an add, a modulo, a scatter, the float angles, a cat, cos, sin, two casts and
+an add as PyTorch ops).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from torch import Tensor
 
 from ._triton import check, pdl_jit, pdl_launch, use_triton
 
-__all__ = ["window_attention", "window_attention_ref", "ring_write_ref"]
+__all__ = ["window_attention", "window_attention_ref", "ring_write_ref", "ring_positions", "ring_positions_ref"]
 
 _BLOCK_N = 64  # keys per inner step
 
@@ -39,11 +48,33 @@ def ring_write_ref(k: Tensor, v: Tensor, k_new: Tensor, v_new: Tensor, ring: Ten
     v.scatter_(2, idx, v_new)
 
 
+def ring_positions_ref(kp: Tensor, inv_freq: Tensor, n: int, dtype: torch.dtype,
+                       rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PyTorch reference of ``ring_positions``."""
+    cw = kp.shape[1] - 1
+    sel = kp if rows is None else kp[rows]
+    qpos = sel[:, -1:] + torch.arange(n, device=kp.device)  # [B, n]
+    ring = qpos % cw
+    sel[:, :-1].scatter_(1, ring, qpos)
+    sel[:, -1] += n
+    if rows is not None:
+        kp[rows] = sel
+    freqs = qpos.float()[..., None] * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return qpos, ring, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def window_attention_ref(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor, window: int,
-                         scale: float, new: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                         scale: float, new: tuple[Tensor, Tensor, Tensor] | None = None,
+                         rows: Tensor | None = None) -> Tensor:
     """PyTorch reference (SDPA with the position mask): q [B, H, n, D], k/v [B, Hkv, C, D],
     qpos [B, n], kpos [B, C] -> out [B, n, H, D]; ``new`` = (k_new, v_new, ring): scattered into
-    k and v (in place) first."""
+    k and v (in place) first; ``rows``: k, v, kpos are [S, ...] and row b uses their row rows[b]."""
+    if rows is not None:
+        kr, vr = k[rows], v[rows]
+        out = window_attention_ref(q, kr, vr, qpos, kpos[rows], window, scale, new)
+        k[rows], v[rows] = kr, vr
+        return out
     if new is not None:
         ring_write_ref(k, v, *new)
     diff = qpos[:, :, None] - kpos[:, None, :]
@@ -54,9 +85,10 @@ def window_attention_ref(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Te
 
 @functools.cache
 def _kernel():
-    global triton, tl, _pdl_enter  # the jit'd function resolves these through module globals
+    global triton, tl, libdevice, _pdl_enter  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
     _pdl_enter = pdl_jit()
 
     @triton.jit
@@ -70,6 +102,7 @@ def _kernel():
         kn_ptr,  # *k_new [B, Hkv, NQ, D], strides skn_b, skn_h, skn_t (read only when WRITE)
         vn_ptr,  # *v_new [B, Hkv, NQ, D], strides svn_b, svn_h, svn_t (read only when WRITE)
         ring_ptr,  # *ring [B, NQ] int64: the ring slot of each new key, strides sr_b, 1 (WRITE)
+        rows_ptr,  # *rows [B] int64: the k / v / kpos row of each query row (read only when HAS_ROWS)
         qk_scale,  # softmax scale * log2(e)
         C, WINDOW,
         sq_b, sq_h, sq_t,
@@ -80,6 +113,7 @@ def _kernel():
         svn_b, svn_h, svn_t,
         sr_b,
         WRITE: tl.constexpr,  # write k_new / v_new into the ring first
+        HAS_ROWS: tl.constexpr,
         BLOCK_T: tl.constexpr,  # >= NQ, the new keys' rows
         H: tl.constexpr,
         G: tl.constexpr,
@@ -95,6 +129,9 @@ def _kernel():
     ):
         _pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
+        kb = b  # the ring's row
+        if HAS_ROWS:
+            kb = tl.load(rows_ptr + b).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
@@ -109,8 +146,8 @@ def _kernel():
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        k_base = k_ptr + b * sk_b + kvh * sk_h
-        v_base = v_ptr + b * sv_b + kvh * sv_h
+        k_base = k_ptr + kb * sk_b + kvh * sk_h
+        v_base = v_ptr + kb * sv_b + kvh * sv_h
         if WRITE:
             # This (row, kv head)'s new keys and values into their ring slots; only this program
             # reads them, after the barrier.
@@ -126,7 +163,7 @@ def _kernel():
         for i in range(N_BLOCKS):
             n = i * BLOCK_N + tl.arange(0, BLOCK_N)
             nm = n < C
-            kp = tl.load(kpos_ptr + b * skp_b + n, mask=nm, other=-1)
+            kp = tl.load(kpos_ptr + kb * skp_b + n, mask=nm, other=-1)
             kv_mask = nm[:, None] & dm[None, :]
             k = tl.load(k_base + n[:, None].to(tl.int64) * sk_t + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_R, BLOCK_N]
@@ -145,30 +182,123 @@ def _kernel():
         o = o_ptr + ((b * NQ + t) * H + head)[:, None] * D + d[None, :]
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
 
-    return _window_attention_kernel
+    @triton.jit
+    def _ring_positions_kernel(
+        kp_ptr,  # *kp [S, CW + 1] int64: ring positions (-1 empty), then the row's next position
+        inv_freq_ptr,  # *inv_freq [HALF] float32
+        rows_ptr,  # *rows [B] int64 (read only when HAS_ROWS)
+        qpos_ptr,  # *qpos [B, NQ] int64 output
+        ring_ptr,  # *ring [B, NQ] int64 output
+        cos_ptr,  # *cos [B, NQ, 2 * HALF] output (the model dtype)
+        sin_ptr,  # *sin [B, NQ, 2 * HALF] output
+        CW, skp_b,
+        NQ: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_T: tl.constexpr,  # >= NQ
+        BLOCK_HALF: tl.constexpr,  # >= HALF
+        HAS_ROWS: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        _pdl_enter(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        row = b
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + b).to(tl.int64)
+        kp_row = kp_ptr + row * skp_b
+        p0 = tl.load(kp_row + CW)
+        t = tl.arange(0, BLOCK_T)
+        tm = t < NQ
+        qp = p0 + t
+        ring = qp % CW
+        tl.store(qpos_ptr + b * NQ + t, qp, mask=tm)
+        tl.store(ring_ptr + b * NQ + t, ring, mask=tm)
+        j = tl.arange(0, BLOCK_HALF)
+        jm = j < HALF
+        f = qp.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j, mask=jm, other=0.0)[None, :]
+        if LIBDEVICE:  # the accurate cosf / sinf, as torch's (the angles reach thousands of radians)
+            c = libdevice.cos(f)
+            s = libdevice.sin(f)
+        else:  # the CPU interpreter has no libdevice
+            c = tl.cos(f)
+            s = tl.sin(f)
+        out_t = cos_ptr.dtype.element_ty
+        at = (b * NQ + t)[:, None] * (2 * HALF) + j[None, :]
+        m = tm[:, None] & jm[None, :]
+        tl.store(cos_ptr + at, c.to(out_t), mask=m)
+        tl.store(cos_ptr + at + HALF, c.to(out_t), mask=m)
+        tl.store(sin_ptr + at, s.to(out_t), mask=m)
+        tl.store(sin_ptr + at + HALF, s.to(out_t), mask=m)
+        tl.store(kp_row + ring, qp, mask=tm)
+        tl.debug_barrier()  # every thread has read the old next position before it is advanced
+        tl.store(kp_row + CW + t, p0 + NQ, mask=t == 0)
+
+    return _window_attention_kernel, _ring_positions_kernel
+
+
+def ring_positions(kp: Tensor, inv_freq: Tensor, n: int, dtype: torch.dtype,
+                   rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One streaming step's positions for a KV ring of CW slots: kp [B, CW + 1] int64 (the ring's
+    positions, -1 empty, then each row's next position p; updated in place), inv_freq [D / 2] ->
+    (qpos [B, n] = p + 0..n-1, ring [B, n] = qpos % CW, cos, sin [B, n, D] in ``dtype``: RoPE of
+    qpos in float32, as ``cat([f, f]).cos()`` of f = qpos * inv_freq). The ring's entries ``ring``
+    get qpos and p advances by n. With ``rows`` [B], kp is [S, CW + 1] and row b is kp's row rows[b].
+    n <= CW (the new positions land in distinct slots)."""
+    tensors = [kp, inv_freq] + ([rows] if rows is not None else [])
+    if not use_triton("ring_positions", *tensors):
+        return ring_positions_ref(kp, inv_freq, n, dtype, rows)
+    cw = kp.shape[1] - 1
+    check(kp.dim() == 2 and kp.dtype == torch.long and kp.stride(1) == 1, "kp must be [B, CW + 1] int64, unit last stride")
+    check(1 <= n <= cw, f"need 1 <= n <= CW = {cw}, got n={n}")
+    check(inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous(), "inv_freq must be [D / 2] float32")
+    b = kp.shape[0] if rows is None else rows.shape[0]
+    if rows is not None:
+        check(rows.dim() == 1 and rows.dtype == torch.long and rows.device == kp.device, "rows must be [B] int64 on kp's device")
+    half = inv_freq.shape[0]
+    qpos = torch.empty((b, n), device=kp.device, dtype=torch.long)
+    ring = torch.empty_like(qpos)
+    cos = torch.empty((b, n, 2 * half), device=kp.device, dtype=dtype)
+    sin = torch.empty_like(cos)
+    if b == 0:
+        return qpos, ring, cos, sin
+    _kernel()[1][(b,)](
+        kp, inv_freq, rows if rows is not None else kp, qpos, ring, cos, sin, cw, kp.stride(0),
+        NQ=n, HALF=half, BLOCK_T=max(2, triton.next_power_of_2(n)), BLOCK_HALF=max(2, triton.next_power_of_2(half)),
+        HAS_ROWS=rows is not None, LIBDEVICE=kp.is_cuda, num_warps=1, **pdl_launch(kp),
+    )
+    return qpos, ring, cos, sin
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor, window: int,
-                     scale: float | None = None, new: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                     scale: float | None = None, new: tuple[Tensor, Tensor, Tensor] | None = None,
+                     rows: Tensor | None = None) -> Tensor:
     """q [B, H, n, D]; k, v [B, Hkv, C, D]; qpos [B, n], kpos [B, C] int64 -> out [B, n, H, D].
 
     Query t of row b (at position qpos[b, t]) attends the ring keys c with kpos[b, c] >= 0 and
     0 <= qpos[b, t] - kpos[b, c] < window. A query that sees no key gets zeros here (NaN in the
     reference); Mimi's always sees itself. H % Hkv == 0. ``scale`` defaults to 1/sqrt(D).
     ``new`` = (k_new, v_new [B, Hkv, n, D], ring [B, n] int64, distinct slots per row): written
-    into k and v at the ring slots first (in place), as the attention then sees them.
+    into k and v at the ring slots first (in place), as the attention then sees them. ``rows`` [B]
+    int64: k, v are [S, Hkv, C, D] and kpos [S, C], and row b of q attends (and writes) their row
+    rows[b] (distinct rows, except padding).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if not use_triton("window_attention", q, k, v, qpos, kpos, *(new or ())):
-        return window_attention_ref(q, k, v, qpos, kpos, window, scale, new)
+    extra = (*(new or ()), *([rows] if rows is not None else []))
+    if not use_triton("window_attention", q, k, v, qpos, kpos, *extra):
+        return window_attention_ref(q, k, v, qpos, kpos, window, scale, new, rows)
     check(q.dim() == 4 and k.dim() == 4 and v.shape == k.shape, f"q must be [B, H, n, D] and k, v one shape [B, Hkv, C, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, h, nq, d = q.shape
-    _, hkv, c, dk = k.shape
-    check(k.shape[0] == b and dk == d and h % hkv == 0, f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
+    s_rows, hkv, c, dk = k.shape
+    if rows is None:
+        check(s_rows == b, f"k has {s_rows} rows for {b} query rows (pass rows= to attend a subset of them)")
+    else:
+        check(rows.shape == (b,) and rows.dtype == torch.long and rows.device == q.device,
+              f"rows must be [{b}] int64 on {q.device}, got {tuple(rows.shape)} {rows.dtype}")
+    check(dk == d and h % hkv == 0, f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
     check(1 <= d <= 256, f"head dim must be in [1, 256], got {d}")
     check(q.dtype in (torch.float32, torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, "q, k, v must share a float dtype")
-    check(qpos.shape == (b, nq) and kpos.shape == (b, c), f"qpos must be [B, n] and kpos [B, C], got {tuple(qpos.shape)}, {tuple(kpos.shape)}")
+    check(qpos.shape == (b, nq) and kpos.shape == (s_rows, c), f"qpos must be [B, n] and kpos [B, C], got {tuple(qpos.shape)}, {tuple(kpos.shape)}")
     check(qpos.dtype == kpos.dtype == torch.long, "positions must be int64")
     check(qpos.stride(-1) == 1 and kpos.stride(-1) == 1, "positions need a unit stride on their last dim")
     check(q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "the last dim (D) must have unit stride")
@@ -182,7 +312,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor
     else:
         k_new = v_new = k
         ring = qpos
-    kernel = _kernel()
+    kernel = _kernel()[0]
     out = torch.empty((b, nq, h, d), device=q.device, dtype=q.dtype)
     if b == 0:
         return out
@@ -192,7 +322,8 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor
     else:
         dot_dtype, precision = (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16), "tf32"
     kernel[(b, hkv)](
-        q, k, v, qpos, kpos, out, k_new, v_new, ring, float(scale) * math.log2(math.e), c, int(window),
+        q, k, v, qpos, kpos, out, k_new, v_new, ring, rows if rows is not None else qpos,
+        float(scale) * math.log2(math.e), c, int(window),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -200,7 +331,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor
         k_new.stride(0), k_new.stride(1), k_new.stride(2),
         v_new.stride(0), v_new.stride(1), v_new.stride(2),
         ring.stride(0),
-        WRITE=new is not None, BLOCK_T=max(2, triton.next_power_of_2(nq)),
+        WRITE=new is not None, HAS_ROWS=rows is not None, BLOCK_T=max(2, triton.next_power_of_2(nq)),
         H=h, G=g, NQ=nq, D=d, BLOCK_R=max(16, triton.next_power_of_2(g * nq)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=_BLOCK_N, N_BLOCKS=triton.cdiv(c, _BLOCK_N),
         DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=4,

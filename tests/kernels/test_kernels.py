@@ -362,6 +362,58 @@ def test_window_attention(cpu_kernels, case, dtype, write):
     assert not torch.allclose(window_attention(q, k, v, qpos, kpos2, window, 0.2).float(), out.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_attention_rows(cpu_kernels, dtype):
+    """With rows, query row b attends and writes ring row rows[b] of a bigger ring; other rows are
+    untouched; the same as the kernel on the gathered rows."""
+    b, h, hkv, n, c, d, window, positions = WIN_CASES[0]
+    s_rows = b + 3
+    q, k, v, qpos, kpos = _win_inputs(b, h, hkv, n, c, d, positions, dtype)
+    _, kb, vb, _, kposb = _win_inputs(s_rows, h, hkv, n, c, d, positions, dtype)
+    rows = torch.randperm(s_rows, generator=torch.Generator().manual_seed(2))[:b]
+    kb[rows], vb[rows], kposb[rows] = k, v, kpos
+    new = _win_new(b, hkv, n, d, qpos, c, dtype)
+    k0, v0 = kb.clone(), vb.clone()
+    out = window_attention(q, kb, vb, qpos, kposb, window, 0.2, new, rows=rows)
+    want = window_attention(q, k, v, qpos, kpos, window, 0.2, new)
+    assert torch.equal(out, want)
+    assert torch.equal(kb[rows], k) and torch.equal(vb[rows], v)  # the same ring writes, in place
+    rest = torch.ones(s_rows, dtype=torch.bool)
+    rest[rows] = False
+    assert torch.equal(kb[rest], k0[rest]) and torch.equal(vb[rest], v0[rest])
+    ref_k, ref_v = k0.clone(), v0.clone()
+    _close(window_attention_ref(q.float(), ref_k.float(), ref_v.float(), qpos, kposb, window, 0.2,
+                                tuple(t.float() if t.is_floating_point() else t for t in new), rows=rows), out, dtype)
+    with pytest.raises(ValueError, match="pass rows="):
+        window_attention(q, kb, vb, qpos, kposb, window, 0.2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, rows", [(2, None), (2, [4, 0, 2]), (3, [1]), (1, None)])
+def test_ring_positions(cpu_kernels, n, rows, dtype):
+    """Positions, ring slots, RoPE angles and the kp update equal the PyTorch bookkeeping, also at
+    large positions (long sessions) and on a subset of rows."""
+    from realtime.kernels.window_attention import ring_positions, ring_positions_ref
+
+    g = torch.Generator().manual_seed(n)
+    s_rows, cw, half = 5, 9, 8
+    kp = torch.randint(-1, 50, (s_rows, cw + 1), generator=g)
+    kp[:, -1] = torch.tensor([0, 3, 17, 4095, 123457])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half)))
+    r = None if rows is None else torch.tensor(rows)
+    kp_ref = kp.clone()
+    got = ring_positions(kp, inv_freq, n, dtype, r)
+    want = ring_positions_ref(kp_ref, inv_freq, n, dtype, r)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(kp, kp_ref)
+    b = s_rows if rows is None else len(rows)
+    assert got[2].shape == got[3].shape == (b, n, 2 * half) and got[2].dtype == dtype
+    # the interpreter's numpy cos/sin vs torch's: float32 ulps (then the same rounding to dtype)
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2**-8)
+    torch.testing.assert_close(got[2], want[2], **tol)
+    torch.testing.assert_close(got[3], want[3], **tol)
+    assert (kp_ref[:, -1] != torch.tensor([0, 3, 17, 4095, 123457])).any()  # the reference advanced p
+
+
 def _ln_inputs(shape, dtype, bias=True, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     d = shape[-1]
@@ -649,10 +701,13 @@ for dt in ("bf16", "fp32"):
               DIRECT=True), 4)
     comp(layernorm._kernel(), dict(x_ptr=f"*{dt}", h_ptr=f"*{dt}", g_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}",
          y_ptr=f"*{dt}", s_ptr=f"*{dt}", eps="fp32"), dict(HAS_BIAS=True, BLOCK_D=512), 4)
-    comp(window_attention._kernel(), dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", qpos_ptr="*i64",
-         kpos_ptr="*i64", o_ptr=f"*{dt}", kn_ptr=f"*{dt}", vn_ptr=f"*{dt}", ring_ptr="*i64", qk_scale="fp32"),
-         dict(WRITE=True, BLOCK_T=2, H=8, G=1, NQ=2, D=64, BLOCK_R=16, BLOCK_D=64, BLOCK_N=64, N_BLOCKS=4,
+    wa, ring_pos = window_attention._kernel()
+    comp(wa, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", qpos_ptr="*i64",
+         kpos_ptr="*i64", o_ptr=f"*{dt}", kn_ptr=f"*{dt}", vn_ptr=f"*{dt}", ring_ptr="*i64", rows_ptr="*i64", qk_scale="fp32"),
+         dict(WRITE=True, HAS_ROWS=True, BLOCK_T=2, H=8, G=1, NQ=2, D=64, BLOCK_R=16, BLOCK_D=64, BLOCK_N=64, N_BLOCKS=4,
               DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee"), 4)
+    comp(ring_pos, dict(kp_ptr="*i64", inv_freq_ptr="*fp32", rows_ptr="*i64", qpos_ptr="*i64", ring_ptr="*i64",
+         cos_ptr=f"*{dt}", sin_ptr=f"*{dt}"), dict(NQ=2, HALF=32, BLOCK_T=2, BLOCK_HALF=32, HAS_ROWS=True, LIBDEVICE=True), 1)
     comp(merge, dict(acc_ptr="*fp32", ml_ptr="*fp32", o_ptr=f"*{dt}"), dict(D=64, NUM_SPLITS=16, BLOCK_SPLITS=16, BLOCK_D=64), 4)
     comp(sampling._chunk_kernel(), dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", seed_ptr="*i64", step_ptr="*i64",
          val_ptr="*fp32", idx_ptr="*i64"), dict(BLOCK_V=2048, LIBDEVICE_LOG=True), 4)
@@ -835,7 +890,9 @@ def test_gpu_gemv(dtype):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             for approx in ("none", "tanh"):
                 want = gemv.linear_gelu_ref(x.double(), w.double(), b.double(), approx)
-                for cfg in [None] + gemv._candidates(n):
+                # every configuration once (the epilogue is the same code in all; compiles are slow)
+                cfgs = [None] + (gemv._candidates(n) if (n, m, approx) == (2048, 1, "none") else [])
+                for cfg in cfgs:
                     got = gemv.linear_gelu(x, w, b, approx, cfg)
                     assert ((got.double() - want).norm() / want.norm()).item() < (1e-2 if dtype == torch.bfloat16 else 1e-5), cfg
         eager, replay = _graph(lambda: gemv.linear_gelu(x, w, b))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # must precede the first kernel build (kernels import triton lazily)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -27,7 +28,14 @@ import pytest  # noqa: E402
 
 from realtime.codecs import mimi  # noqa: E402
 from realtime.kernels import _triton, seanet  # noqa: E402
-from realtime.kernels.seanet import overlap_add, overlap_add_ref, state_concat, state_concat_ref  # noqa: E402
+from realtime.kernels.seanet import (  # noqa: E402
+    bias_act,
+    bias_act_ref,
+    overlap_add,
+    overlap_add_ref,
+    state_concat,
+    state_concat_ref,
+)
 
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -148,6 +156,64 @@ def test_overlap_add(cpu_kernels, case, layout, dtype):
         assert torch.equal(flat, flat_ref)  # the new tail is a copy; nothing else is touched
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_step_state_rows_in_place(cpu_kernels, layout):
+    """With rows, input row b steps state row rows[b] of a bigger state in place: the same output
+    and state as the kernel on the gathered rows, every other row untouched."""
+    dtype, b, c, t, p, s_rows = torch.float32, 3, 70, 5, 4, 7
+    g = torch.Generator().manual_seed(5)
+    rows = torch.tensor([5, 0, 3])
+    rest = torch.ones(s_rows, dtype=torch.bool)
+    rest[rows] = False
+    x = _act(b, c, t, layout, g, dtype, "cpu")
+    y = _act(b, c, t + p, layout, g, dtype, "cpu")
+    bias = torch.randn(c, generator=g)
+    for op, arg in ((state_concat, x), (overlap_add, y)):
+        flat, state = _state(s_rows, c, p, layout, g, dtype, "cpu")
+        flat0 = flat.clone()
+        sub = state[rows].clone()
+        if op is state_concat:
+            got, want = op(arg, state, True, rows=rows), op(arg, sub, True)
+            ref = state_concat_ref(arg, _state_views(flat0.clone(), c, p, layout), True, rows)
+        else:
+            got, want = op(arg, state, bias, t, rows=rows), op(arg, sub, bias, t)
+            ref = overlap_add_ref(arg, _state_views(flat0.clone(), c, p, layout), bias, t, rows)
+        assert torch.equal(got, want) and torch.equal(state[rows], sub)
+        _close(got, ref, dtype)
+        assert torch.equal(flat[rest], flat0[rest])
+    with pytest.raises(ValueError, match="pass rows="):
+        state_concat(x, state, True)
+    with pytest.raises(ValueError, match="rows must be"):
+        overlap_add(y, state, None, t, rows=rows.int())
+
+
+def _state_views(flat, c, p, layout):
+    return mimi._state_views(flat, [(3, 2), (c, p), (2, 5)], [layout == "cl"] * 3)[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("b, c, t", [(1, 4, 2), (2, 70, 600), (3, 130, 5)])
+def test_bias_act(cpu_kernels, b, c, t, layout, dtype):
+    g = torch.Generator().manual_seed(b + c + t)
+    y = _act(b, c, t, layout, g, dtype, "cpu")
+    res = _act(b, c, t, "ncw", g, dtype, "cpu")  # a residual in another layout than y
+    if y.dim() == 4:
+        res = res.unsqueeze(2)
+    bias = torch.randn(c, generator=g).to(dtype)
+    for r in (None, res):
+        for elu in (False, True):
+            out = bias_act(y, bias, r, elu)
+            assert out.shape == y.shape and out.dtype == dtype
+            assert out.is_contiguous(memory_format=torch.channels_last) if y.dim() == 4 else out.is_contiguous()
+            _close(out, bias_act_ref(y, bias, r, elu), dtype)
+    # the same function as the unfused ops (float32)
+    y32, b32, r32 = y.float(), bias.float(), res.float()
+    want = F.elu(y32 + b32.view(-1, *[1] * (y.dim() - 2)) + r32)
+    torch.testing.assert_close(bias_act(y32, b32, r32, True), want,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_launchers_check_inputs(cpu_kernels):
     x, state = torch.randn(2, 4, 3), torch.randn(2, 4, 2)
     with pytest.raises(ValueError, match="does not fit"):
@@ -162,9 +228,15 @@ def test_launchers_check_inputs(cpu_kernels):
         overlap_add(torch.randn(2, 4, 7), state, None, 4)
     with pytest.raises(ValueError, match="bias"):
         overlap_add(torch.randn(2, 4, 6), state, torch.randn(3), 4)
+    with pytest.raises(ValueError, match="bias must be"):
+        bias_act(x, torch.randn(3))
+    with pytest.raises(ValueError, match="residual"):
+        bias_act(x, torch.randn(4), torch.randn(2, 4, 2))
 
 
 # ----------------------------------------------------------------------------- Mimi decoder step
+
+real_select = mimi.KVState.select
 
 TINY = dict(hidden_size=32, num_filters=4, upsampling_ratios=(3, 2, 2), num_residual_layers=2,
             codebook_size=16, codebook_dim=8, num_quantizers=4, upsample_groups=32, num_layers=1,
@@ -188,40 +260,50 @@ def _random_mimi(cfg: mimi.MimiConfig, device="cpu", dtype=torch.float32, seed=0
     return m.to(device, dtype).eval().requires_grad_(False)
 
 
-def _decode(m, codes, channels_last, slots=False):
-    """Stream codes [B, K, T] one frame a step -> (audio [B, 1, T * frame_size], final conv state)."""
+def _decode(m, codes, channels_last, slots=False, in_place=True):
+    """Stream codes [B, K, T] one frame a step -> (audio [B, 1, T * frame_size], final conv state,
+    KV ring, ring positions). With ``slots`` the rows are slots B..1 of a B + 2 slot decoder."""
     b = codes.shape[0]
-    dec = m.streaming_decoder(b + 1 if slots else b, channels_last)
-    idx = torch.arange(1, b + 1, device=codes.device)
+    dec = m.streaming_decoder(b + 2 if slots else b, channels_last)
+    dec.in_place = in_place
+    idx = torch.arange(b, 0, -1, device=codes.device)
     outs = [dec.step(codes[..., i: i + 1], idx if slots else None) for i in range(codes.shape[-1])]
-    return torch.cat(outs, -1), dec.state[1:] if slots else dec.state
+    sel = idx if slots else torch.arange(b)
+    return torch.cat(outs, -1), dec.state[sel], dec.kv.kv[:, :, sel], dec.kv.kp[sel]
 
 
-@pytest.mark.parametrize("channels_last, slots", [(False, False), (True, False), (True, True)])
-def test_mimi_decoder_step_fused(cpu_kernels, monkeypatch, channels_last, slots):
-    """The decoder step with every SEANet conv's glue on the kernels (as on CUDA, here through the
-    interpreter) equals the plain step: audio and the whole conv state left behind."""
+@pytest.mark.parametrize("channels_last, slots, in_place", [(False, False, True), (True, False, True),
+                                                            (True, True, True), (True, True, False), (False, True, True)])
+def test_mimi_decoder_step_fused(cpu_kernels, monkeypatch, channels_last, slots, in_place):
+    """The decoder step with every SEANet conv's glue, the ring positions and the window attention
+    on the kernels (as on CUDA, here through the interpreter) equals the plain step: audio, the
+    whole conv state, the KV ring and its positions left behind; for a slot subset also when the
+    kernels step the slots' rows in place (no gather, no write-back)."""
     cfg = mimi.MimiConfig(**TINY)
     m = _random_mimi(cfg)
     codes = torch.randint(0, 16, (2, 4, 5), generator=torch.Generator().manual_seed(1))
-    want, want_state = _decode(m, codes, channels_last, slots)
-    calls = {"state_concat": 0, "overlap_add": 0}
+    want, *want_state = _decode(m, codes, channels_last, slots)
+    calls = {"state_concat": 0, "overlap_add": 0, "bias_act": 0}
 
     def spy(name, real):
-        def counted(*args):
+        def counted(*args, **kwargs):
             calls[name] += 1
-            return real(*args)
+            return real(*args, **kwargs)
         return counted
 
     for name in calls:
         monkeypatch.setattr(seanet, name, spy(name, getattr(seanet, name)))
     monkeypatch.setattr(mimi, "_fused_step", lambda x: True)
-    got, got_state = _decode(m, codes, channels_last, slots)
+    if slots:  # the in-place path must never gather the state
+        monkeypatch.setattr(mimi.KVState, "select", lambda *a: pytest.fail("gathered") if in_place else real_select(*a))
+    got, *got_state = _decode(m, codes, channels_last, slots, in_place)
     steps, ratios, res = codes.shape[-1], len(cfg.upsampling_ratios), cfg.num_residual_layers
     assert calls["state_concat"] == steps * (2 + ratios * res)  # first and last conv, each ResBlock's k-conv
     assert calls["overlap_add"] == steps * (1 + ratios)  # the upsample and every decoder transposed conv
+    assert calls["bias_act"] == steps * 2 * ratios * res  # each ResBlock's two biases
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_state, want_state):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- compiles for the GPU
@@ -234,19 +316,22 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from realtime.kernels import seanet
 
-def comp(fn, sig, consts):
+def comp(fn, sig, consts, barrier=True):
     consts = {"PDL": True, **consts}
     full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
     src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
-    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"] and "bar.sync" in k.asm["ptx"], fn.fn.__name__
+    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"], fn.fn.__name__
+    assert not barrier or "bar.sync" in k.asm["ptx"], fn.fn.__name__  # the in-place state's barrier
 
-concat, overlap = seanet._kernels()
+concat, overlap, bias_act = seanet._kernels()
 for dt in ("bf16", "fp32"):
-    comp(concat, dict(x_ptr=f"*{dt}", s_ptr=f"*{dt}", o_ptr=f"*{dt}"),
-         dict(ELU=True, LIBDEVICE=True, BLOCK_C=32, BLOCK_T=32, BLOCK_P=8))
-    comp(overlap, dict(y_ptr=f"*{dt}", v_ptr=f"*{dt}", bias_ptr=f"*{dt}", o_ptr=f"*{dt}"),
-         dict(HAS_BIAS=True, BLOCK_C=64, BLOCK_T=16, BLOCK_V=8))
+    comp(concat, dict(x_ptr=f"*{dt}", s_ptr=f"*{dt}", o_ptr=f"*{dt}", rows_ptr="*i64"),
+         dict(ELU=True, LIBDEVICE=True, HAS_ROWS=True, BLOCK_C=32, BLOCK_T=32, BLOCK_P=8))
+    comp(overlap, dict(y_ptr=f"*{dt}", v_ptr=f"*{dt}", bias_ptr=f"*{dt}", o_ptr=f"*{dt}", rows_ptr="*i64"),
+         dict(HAS_BIAS=True, HAS_ROWS=True, BLOCK_C=64, BLOCK_T=16, BLOCK_V=8))
+    comp(bias_act, dict(y_ptr=f"*{dt}", bias_ptr=f"*{dt}", r_ptr=f"*{dt}", o_ptr=f"*{dt}"),
+         dict(HAS_RES=True, ELU=True, LIBDEVICE=True, BLOCK_C=64, BLOCK_T=16), barrier=False)
 print("compiled")
 """
 
@@ -288,6 +373,13 @@ def test_gpu_kernels(dtype):
             out = overlap_add(y, tail, bias, n)
             # Rounded like the unfused adds (head sum to y's dtype, then + bias): bit-equal.
             assert torch.equal(out, overlap_add_ref(y, tail_ref, bias, n)) and torch.equal(flat, flat_ref)
+        for b, c, t in ((8, 32, 1920), (1, 512, 2), (4, 64, 40)):
+            g = torch.Generator().manual_seed(b + c + t)
+            y, res = _act(b, c, t, layout, g, dtype, "cuda"), _act(b, c, t, layout, g, dtype, "cuda")
+            bias = torch.randn(c, generator=g).to("cuda", dtype)
+            for r in (None, res):
+                for elu in (False, True):
+                    _close(bias_act(y, bias, r, elu), bias_act_ref(y, bias, r, elu), dtype)
 
 
 def _graphed(fn, *inputs):
@@ -305,19 +397,22 @@ def _graphed(fn, *inputs):
 
 @pytest.mark.gpu
 def test_gpu_default_decoder_step_fused_equals_unfused(monkeypatch):
-    """The default Mimi's decoder step in bf16, channels-last (the served path): fused SEANet glue
-    vs the plain ops, eager and in a CUDA graph, with the step times printed."""
+    """The default Mimi's decoder step in bf16, channels-last, on a subset of a decoder's slots (the
+    served path): the kernels (SEANet glue, folded RVQ decode, ring positions, window attention; the
+    slots' state stepped in place) vs the plain ops (the state gathered and written back), eager and
+    in a CUDA graph, with the step times printed."""
     m = _random_mimi(mimi.MimiConfig(), "cuda", torch.bfloat16)
     b, steps = 4, 6
     codes = torch.randint(0, 2048, (b, 32, steps), generator=torch.Generator().manual_seed(3)).cuda()
 
     def run(fused):
         monkeypatch.setattr(mimi, "_fused_step", (lambda x: x.is_cuda) if fused else (lambda x: False))
-        dec = m.streaming_decoder(b)
+        dec = m.streaming_decoder(b + 3)
         assert dec.channels_last
-        audio = torch.cat([dec.step(codes[..., i: i + 1]) for i in range(steps)], -1)
+        slots = torch.tensor([5, 1, 3, 2], device="cuda")
+        audio = torch.cat([dec.step(codes[..., i: i + 1], slots) for i in range(steps)], -1)
         inp = codes[..., :1].clone()
-        graph, out = _graphed(dec.step, inp)
+        graph, out = _graphed(lambda c: dec.step(c, slots), inp)
         dec.reset()
         replayed = []
         for i in range(steps):
@@ -330,7 +425,7 @@ def test_gpu_default_decoder_step_fused_equals_unfused(monkeypatch):
         for _ in range(50):
             graph.replay()
         torch.cuda.synchronize()
-        print(f"\ndefault Mimi bf16 B={b} decoder step, SEANet glue {'fused' if fused else 'unfused'}: "
+        print(f"\ndefault Mimi bf16 B={b} of {b + 3} slots, decoder step {'on the kernels' if fused else 'plain'}: "
               f"{(time.perf_counter() - t0) / 50 * 1e3:.3f} ms (graph)")
         return audio.float(), torch.cat(replayed, -1).float()
 
