@@ -9,13 +9,13 @@
 #    then sampled decoding (temperature 1, the API default) at batch 1/8/128.
 # COMMIT, OUT_DIR and the one results.tgz: see bench/h200_run.sh. PARTS (env) picks a subset,
 # e.g. PARTS="text csm" (default: csm tts text), to split the run over two calls when one would
-# pass the device's 10-minute limit.
+# pass the device's 10-minute limit. CSM_BATCHES (default "1 8 64") and CSM_TIMEOUT (300 s) trim the CSM part.
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-csm tts text}"
 
 if [[ " $parts " == *" csm "* ]]; then
 echo "== CSM engine (builds a random CSM-1B in /tmp/csm1b on first use)"
-timeout 300 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 8 64 --variants graphed_kernels \
+timeout "${CSM_TIMEOUT:-300}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches ${CSM_BATCHES:-1 8 64} --variants graphed_kernels \
   --frames 48 --out "$work/csm_engine_h200.json" > "$work/csm_engine.log" 2>&1
 grep "^\[" "$work/csm_engine.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|Mimi\|HF" | cut -c1-170
 fi

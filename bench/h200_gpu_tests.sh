@@ -8,12 +8,14 @@
 source bench/h200_run.sh "$0" "$@"
 
 echo "== GPU tests"
-timeout 400 python3 -m pytest -q -s -rs --durations=12 -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
+# in parallel processes where pytest-xdist is there (the tests are mostly Triton compiles, on the CPU)
+xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_PROCS:-6}")
+timeout "${GPU_TEST_TIMEOUT:-400}" python3 -m pytest -q -s -rs --durations=12 $xdist -m gpu tests/kernels tests/engines tests/codecs tests/server/test_csm_gpu.py \
   tests/server/test_text_server.py > "$work/gpu_tests.log" 2>&1
 grep -E "passed|failed|error|FAILED|SKIPPED| ms (graph)|fused vs|^[0-9.]+s (call|setup)" "$work/gpu_tests.log" | cut -c1-200 | tail -40
 
 echo "== Mimi switches"
-timeout 150 python3 bench/mimi.py --tf32-check --profile --out "$work/mimi_h200.json" > "$work/mimi.log" 2>&1
+timeout 120 python3 bench/mimi.py --tf32-check --profile --out "$work/mimi_h200.json" > "$work/mimi.log" 2>&1
 grep "served, channels\|float32" "$work/mimi.log" | cut -c12-150
 
 pack_results

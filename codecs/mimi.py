@@ -1111,8 +1111,9 @@ class MimiStreamingDecoder:
             return self._step(codes, self.upsample_tail, self.convs, self.kv)
         assert codes.shape[0] == slots.shape[0], "one row of codes per slot"
         if self.in_place and codes.shape[-1] == 1 and _fused_step(self.state):
-            # One frame on the kernels: each state-touching kernel steps the slots' rows in place.
-            return self._step(codes, self.upsample_tail, self.convs, self.kv, slots)
+            # One frame on the kernels: each state-touching kernel steps the slots' rows in place
+            # (the kernels read the slot list as a contiguous vector: no copy when it already is).
+            return self._step(codes, self.upsample_tail, self.convs, self.kv, slots.contiguous())
         state, kv = self.state[slots], self.kv.select(slots)
         tail, *convs = _state_views(state, self._shapes, self._layouts)
         out = self._step(codes, tail, convs, kv)

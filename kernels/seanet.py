@@ -243,8 +243,8 @@ def _check_rows(rows: Tensor | None, b: int, bs: int, what: str, like: Tensor) -
     if rows is None:
         check(bs == b, f"{what} has {bs} rows for {b} input rows (pass rows= to step a subset of them)")
         return
-    check(rows.shape == (b,) and rows.dtype == torch.long and rows.device == like.device,
-          f"rows must be [{b}] int64 on {like.device}, got {tuple(rows.shape)} {rows.dtype} on {rows.device}")
+    check(rows.shape == (b,) and rows.dtype == torch.long and rows.device == like.device and rows.stride(0) == 1,
+          f"rows must be a contiguous [{b}] int64 on {like.device}, got {tuple(rows.shape)} {rows.dtype} on {rows.device}")
 
 
 def _blocks(c: int, t: int, min_t: int = 1) -> tuple[int, int]:
@@ -296,12 +296,13 @@ def bias_act(y: Tensor, bias: Tensor, residual: Tensor | None = None, elu: bool 
         check(residual.shape == y.shape and residual.dtype == y.dtype,
               f"residual must be y's shape and dtype, got {tuple(residual.shape)} {residual.dtype}")
         sr = _bct(residual, "residual")[3]
+    kernel = _kernels()[2]
     out = _empty(y, b, c, t)
     if b == 0 or c == 0 or t == 0:
         return out
     _, _, _, so = _bct(out, "out")
     block_c, block_t = _blocks(c, t)
-    _kernels()[2][(b, triton.cdiv(c, block_c), triton.cdiv(t, block_t))](
+    kernel[(b, triton.cdiv(c, block_c), triton.cdiv(t, block_t))](
         y, bias, residual if residual is not None else y, out, c, t, *sy, *sr, *so,
         HAS_RES=residual is not None, ELU=bool(elu), LIBDEVICE=y.is_cuda, BLOCK_C=block_c, BLOCK_T=block_t,
         num_warps=4, **pdl_launch(y),

@@ -185,7 +185,7 @@ def _kernel():
     @triton.jit
     def _ring_positions_kernel(
         kp_ptr,  # *kp [S, CW + 1] int64: ring positions (-1 empty), then the row's next position
-        inv_freq_ptr,  # *inv_freq [HALF] float32
+        inv_freq_ptr,  # *inv_freq [HALF] (any float dtype: used as float32, as ``inv_freq.float()``)
         rows_ptr,  # *rows [B] int64 (read only when HAS_ROWS)
         qpos_ptr,  # *qpos [B, NQ] int64 output
         ring_ptr,  # *ring [B, NQ] int64 output
@@ -215,7 +215,7 @@ def _kernel():
         tl.store(ring_ptr + b * NQ + t, ring, mask=tm)
         j = tl.arange(0, BLOCK_HALF)
         jm = j < HALF
-        f = qp.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j, mask=jm, other=0.0)[None, :]
+        f = qp.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
         if LIBDEVICE:  # the accurate cosf / sinf, as torch's (the angles reach thousands of radians)
             c = libdevice.cos(f)
             s = libdevice.sin(f)
@@ -250,10 +250,11 @@ def ring_positions(kp: Tensor, inv_freq: Tensor, n: int, dtype: torch.dtype,
     cw = kp.shape[1] - 1
     check(kp.dim() == 2 and kp.dtype == torch.long and kp.stride(1) == 1, "kp must be [B, CW + 1] int64, unit last stride")
     check(1 <= n <= cw, f"need 1 <= n <= CW = {cw}, got n={n}")
-    check(inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous(), "inv_freq must be [D / 2] float32")
+    check(inv_freq.dim() == 1 and inv_freq.is_floating_point() and inv_freq.is_contiguous(), "inv_freq must be a float [D / 2]")
     b = kp.shape[0] if rows is None else rows.shape[0]
     if rows is not None:
-        check(rows.dim() == 1 and rows.dtype == torch.long and rows.device == kp.device, "rows must be [B] int64 on kp's device")
+        check(rows.dim() == 1 and rows.dtype == torch.long and rows.device == kp.device and rows.stride(0) == 1,
+              "rows must be a contiguous [B] int64 on kp's device")
     half = inv_freq.shape[0]
     qpos = torch.empty((b, n), device=kp.device, dtype=torch.long)
     ring = torch.empty_like(qpos)
@@ -293,8 +294,8 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor
     if rows is None:
         check(s_rows == b, f"k has {s_rows} rows for {b} query rows (pass rows= to attend a subset of them)")
     else:
-        check(rows.shape == (b,) and rows.dtype == torch.long and rows.device == q.device,
-              f"rows must be [{b}] int64 on {q.device}, got {tuple(rows.shape)} {rows.dtype}")
+        check(rows.shape == (b,) and rows.dtype == torch.long and rows.device == q.device and rows.stride(0) == 1,
+              f"rows must be a contiguous [{b}] int64 on {q.device}, got {tuple(rows.shape)} {rows.dtype}")
     check(dk == d and h % hkv == 0, f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
     check(1 <= d <= 256, f"head dim must be in [1, 256], got {d}")
     check(q.dtype in (torch.float32, torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype, "q, k, v must share a float dtype")

@@ -344,8 +344,9 @@ class CSMBackend(TTSBackend):
         """One streaming decoder step for the given slots only: slots [B], codes [B, K, 1] (host
         tensors) → float32 PCM [B, 1, 1920] on the codec device.
 
-        Graphed: slots and codes are packed on the host into one pinned [bucket, 1 + K] buffer
-        (padding rows point at the scratch slot) and reach the graph's input in one copy."""
+        Graphed: slots and codes are packed on the host into one pinned [1 + K, bucket] buffer
+        (slots first, so the kernels read them as one contiguous row; padding columns point at the
+        scratch slot) and reach the graph's input in one copy."""
         # The generator's vocabulary has a few non-audio ids above the codec's codebook (pad and
         # friends); a trained model never emits them mid-speech, random weights can. Clamp so a
         # stray id is a click, not a device-side assert.
@@ -354,10 +355,10 @@ class CSMBackend(TTSBackend):
             host = self._dec_host[self.decode_graphs.bucket(n)]
             self._dec_copied.synchronize()  # the previous call's copy has left the pinned buffer
             h = host.numpy()
-            h[:, 0] = self.scratch
-            h[:n, 0] = slots.cpu().numpy()
-            h[n:, 1:] = 0
-            np.clip(codes.cpu().reshape(n, -1).numpy(), 0, self.codebook_size - 1, out=h[:n, 1:])
+            h[0] = self.scratch
+            h[0, :n] = slots.cpu().numpy()
+            h[1:, n:] = 0
+            np.clip(codes.cpu().reshape(n, -1).numpy().T, 0, self.codebook_size - 1, out=h[1:, :n])
 
             def fill(inp: list[torch.Tensor]) -> None:
                 inp[0].copy_(host, non_blocking=True)
@@ -387,8 +388,8 @@ class CSMBackend(TTSBackend):
         return self.decoder.step(codes, slots=idx)
 
     def _decode_packed(self, packed: torch.Tensor) -> torch.Tensor:
-        """The graphed decode: packed [B, 1 + K] = slot | codes -> float32 PCM [B, 1, 1920]."""
-        return self._decode_subset(packed[:, 0], packed[:, 1:, None]).float()
+        """The graphed decode: packed [1 + K, B] = slots, then codes -> float32 PCM [B, 1, 1920]."""
+        return self._decode_subset(packed[0], packed[1:].t()[:, :, None]).float()
 
     def encode_reference(self, wav: bytes) -> torch.Tensor:
         """A WAV file's bytes → Mimi codes [F, K] (mono, resampled to 24 kHz)."""
@@ -436,14 +437,14 @@ class CSMBackend(TTSBackend):
                  self.prefill_graphs.lengths, time.perf_counter() - t0)
 
         def dec_inputs(b: int) -> list[torch.Tensor]:
-            packed = torch.zeros(b, 1 + k, dtype=torch.long, device=cdev)
-            packed[:, 0] = self.scratch
+            packed = torch.zeros(1 + k, b, dtype=torch.long, device=cdev)
+            packed[0] = self.scratch
             return [packed]
 
         self.decode_graphs = BucketGraphs("mimi.decode", self._decode_packed, dec_inputs, buckets)
         self.decode_graphs.capture()
         # decode_slots' pinned staging buffer per bucket, and the event of its last copy out
-        self._dec_host = {b: torch.zeros(b, 1 + k, dtype=torch.long, pin_memory=True) for b in buckets}
+        self._dec_host = {b: torch.zeros(1 + k, b, dtype=torch.long, pin_memory=True) for b in buckets}
         with torch.cuda.device(cdev):
             self._dec_copied = torch.cuda.Event()
 

@@ -266,7 +266,7 @@ def _decode(m, codes, channels_last, slots=False, in_place=True):
     b = codes.shape[0]
     dec = m.streaming_decoder(b + 2 if slots else b, channels_last)
     dec.in_place = in_place
-    idx = torch.arange(b, 0, -1, device=codes.device)
+    idx = torch.arange(b, 0, -1, device=codes.device).repeat_interleave(2)[::2]  # strided, as a packed row can be
     outs = [dec.step(codes[..., i: i + 1], idx if slots else None) for i in range(codes.shape[-1])]
     sel = idx if slots else torch.arange(b)
     return torch.cat(outs, -1), dec.state[sel], dec.kv.kv[:, :, sel], dec.kv.kp[sel]
