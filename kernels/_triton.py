@@ -110,6 +110,25 @@ def pdl_jit():
     return pdl_enter
 
 
+@functools.cache
+def state_row_jit():
+    """The ``state_row(b, rows_ptr, HAS_ROWS)`` jit helper of the kernels that step a subset of a
+    state's rows in place: the state row of input row b, rows[b] (``rows_ptr``, contiguous int64)
+    when HAS_ROWS, else b itself."""
+    global tl  # the jit'd helper resolves this through module globals
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def state_row(b, rows_ptr, HAS_ROWS: tl.constexpr):
+        row = b
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + b).to(tl.int64)
+        return row
+
+    return state_row
+
+
 def graph_time(fns: list, rounds: int = 5) -> float:
     """Median seconds per call of the ``fns`` replayed in turn inside one CUDA graph (no launch gaps),
     on the current device. The first two run eagerly first (compilation stays out of the graph)."""

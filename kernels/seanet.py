@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import check, pdl_jit, pdl_launch, use_triton
+from ._triton import check, pdl_jit, pdl_launch, state_row_jit, use_triton
 
 __all__ = ["state_concat", "state_concat_ref", "overlap_add", "overlap_add_ref", "bias_act", "bias_act_ref"]
 
@@ -82,11 +82,12 @@ def overlap_add_ref(y: Tensor, tail: Tensor, bias: Tensor | None, n_out: int, ro
 
 @functools.cache
 def _kernels():
-    global triton, tl, libdevice, _act, _pdl_enter  # the jit'd functions resolve these through module globals
+    global triton, tl, libdevice, _act, _pdl_enter, _state_row  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
     _pdl_enter = pdl_jit()
+    _state_row = state_row_jit()
 
     @triton.jit
     def _act(x, ELU: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -119,9 +120,7 @@ def _kernels():
     ):
         _pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
-        sb = b
-        if HAS_ROWS:
-            sb = tl.load(rows_ptr + b).to(tl.int64)
+        sb = _state_row(b, rows_ptr, HAS_ROWS)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < C
         x_row = x_ptr + b * sx_b + c[None, :] * sx_c
@@ -167,9 +166,7 @@ def _kernels():
     ):
         _pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
-        sb = b
-        if HAS_ROWS:
-            sb = tl.load(rows_ptr + b).to(tl.int64)
+        sb = _state_row(b, rows_ptr, HAS_ROWS)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < C
         y_row = y_ptr + b * sy_b + c[None, :] * sy_c

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import check, pdl_jit, pdl_launch, use_triton
+from ._triton import check, pdl_jit, pdl_launch, state_row_jit, use_triton
 
 __all__ = ["window_attention", "window_attention_ref", "ring_write_ref", "ring_positions", "ring_positions_ref"]
 
@@ -85,11 +85,12 @@ def window_attention_ref(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Te
 
 @functools.cache
 def _kernel():
-    global triton, tl, libdevice, _pdl_enter  # the jit'd functions resolve these through module globals
+    global triton, tl, libdevice, _pdl_enter, _state_row  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
     _pdl_enter = pdl_jit()
+    _state_row = state_row_jit()
 
     @triton.jit
     def _window_attention_kernel(
@@ -129,9 +130,7 @@ def _kernel():
     ):
         _pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
-        kb = b  # the ring's row
-        if HAS_ROWS:
-            kb = tl.load(rows_ptr + b).to(tl.int64)
+        kb = _state_row(b, rows_ptr, HAS_ROWS)  # the ring's row
         kvh = tl.program_id(1).to(tl.int64)
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
@@ -202,9 +201,7 @@ def _kernel():
     ):
         _pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
-        row = b
-        if HAS_ROWS:
-            row = tl.load(rows_ptr + b).to(tl.int64)
+        row = _state_row(b, rows_ptr, HAS_ROWS)
         kp_row = kp_ptr + row * skp_b
         p0 = tl.load(kp_row + CW)
         t = tl.arange(0, BLOCK_T)

