@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from realtime.engines.channels_last import conv, conv_transpose1d_cl, from_cl, to_cl
-from realtime.engines.transformer import GEMV_MAX_M, fuse_params, project, use_gemv, use_kernels
+from realtime.engines.transformer import fuse_params, project, project_gelu, use_gemv, use_kernels
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["Mimi", "MimiConfig", "MimiStreamingDecoder", "MimiStreamingEncoder"]
@@ -378,29 +378,43 @@ class _SEANet(nn.Module):
                 shapes.append(layer.state_shape())
         return shapes
 
+    def _elu_owners(self) -> list[str | None]:
+        """Per layer, for an ELU, which step applies it: "conv" (the CausalConv1d after it, fused
+        with its state), "block" (the ResBlock before it, fused with its residual add), or "self";
+        None for the other layers. Fixed by the layer list, so worked out once."""
+        if getattr(self, "_owners", None) is None:
+            layers, owners = list(self.layers), []
+            for j, layer in enumerate(layers):
+                owner = None
+                if isinstance(layer, nn.ELU):
+                    if j + 1 < len(layers) and isinstance(layers[j + 1], CausalConv1d):
+                        owner = "conv"
+                    elif j > 0 and isinstance(layers[j - 1], ResBlock):
+                        owner = "block"
+                    else:
+                        owner = "self"
+                owners.append(owner)
+            self._owners = owners
+        return self._owners
+
     def step(self, x: torch.Tensor, states: list[torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, C, T] -> the layers' streaming output; ``states`` (updated in place) as
         ``state_shapes``; ``rows``: the states are [S, ...] and row b steps row rows[b] of each."""
-        i, elu, applied, layers = 0, False, False, list(self.layers)
-        for j, layer in enumerate(layers):
+        owners = self._elu_owners() + [None]
+        i = 0
+        for j, layer in enumerate(self.layers):
             if isinstance(layer, nn.ELU):
-                # An ELU right before a CausalConv1d is left to that conv's step (fused with its
-                # state); one right after a res block, to the block (fused with its residual add).
-                elu = j + 1 < len(layers) and isinstance(layers[j + 1], CausalConv1d)
-                if not elu and not applied:
+                if owners[j] == "self":
                     x = F.elu(x)
-                applied = False
             elif isinstance(layer, ResBlock):
                 n = len(layer.convs())
-                nxt = layers[j + 1: j + 3]
-                applied = (len(nxt) == 2 and isinstance(nxt[0], nn.ELU) and not isinstance(nxt[1], CausalConv1d))
-                x = layer.step(x, states[i: i + n], rows, elu_out=applied)
+                x = layer.step(x, states[i: i + n], rows, elu_out=owners[j + 1] == "block")
                 i += n
             elif isinstance(layer, CausalConvTranspose1d):
                 x = layer.step(x, states[i], rows)
                 i += 1
             else:
-                x, elu = layer.step(x, states[i], elu=elu, rows=rows), False
+                x = layer.step(x, states[i], elu=j > 0 and owners[j - 1] == "conv", rows=rows)
                 i += 1
         assert i == len(states)
         return x
@@ -470,11 +484,15 @@ def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Te
     return ((kpos[:, None, :] >= 0) & (diff >= 0) & (diff < window))[:, None]
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gemv: bool,
+            gelu: str | None = None) -> torch.Tensor:
     """x [B, T, C] @ w.T + bias over its B * T rows through ``engines.transformer.project``: the
     decode GEMV when it was measured faster for this weight (``gemv``, see
-    ``Transformer.choose_gemv``) and the rows fit it, else cuBLAS."""
-    return project(x.reshape(-1, x.shape[-1]), w, bias, gemv).view(*x.shape[:-1], -1)
+    ``Transformer.choose_gemv``) and the rows fit it, else cuBLAS. ``gelu`` (F.gelu's
+    ``approximate``): the product's GELU, in the GEMV's epilogue where it runs."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = project(rows, w, bias, gemv) if gelu is None else project_gelu(rows, w, bias, gemv, gelu)
+    return y.view(*x.shape[:-1], -1)
 
 
 class Attention(nn.Module):
@@ -580,11 +598,8 @@ class TransformerLayer(nn.Module):
     def mlp_out(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP of the normalised input h [B, T, C] (without the LayerScale residual)."""
         fc1, fc2 = self.mlp.fc1, self.mlp.fc2
-        rows = h.reshape(-1, h.shape[-1])
-        if self.gemv_fc1 and self.gelu is not None and rows.shape[0] <= GEMV_MAX_M:
-            from realtime.kernels.gemv import linear_gelu
-
-            a = linear_gelu(rows, fc1.weight, fc1.bias, self.gelu).view(*h.shape[:-1], -1)
+        if self.gelu is not None:
+            a = _linear(h, fc1.weight, fc1.bias, self.gemv_fc1, self.gelu)
         else:
             a = self.act(_linear(h, fc1.weight, fc1.bias, self.gemv_fc1))
         return _linear(a, fc2.weight, fc2.bias, self.gemv_fc2)
@@ -823,8 +838,7 @@ class SplitRVQ(nn.Module):
         table[k] = codebook_k @ W.T, semantic codebooks first (``kernels.codebook``: a step's
         decode is then one gather-and-sum). Made once per weights and device, then cached."""
         rvqs = (self.semantic_residual_vector_quantizer, self.acoustic_residual_vector_quantizer)
-        params = [t for q in rvqs for t in (q.codebooks, None if q.output_proj is None else q.output_proj.weight)
-                  if t is not None]
+        params = [q.codebooks for q in rvqs] + [q.output_proj.weight for q in rvqs if q.output_proj is not None]
         key = tuple((t.data_ptr(), t._version, t.device) for t in params)
         if getattr(self, "_folded_key", None) != key:
             parts = []
@@ -1069,9 +1083,9 @@ class MimiStreamingDecoder:
     Layout: the conv states are views of one [B, total] buffer and the KV ring is two tensors, so
     ``step(codes, slots)`` (a batch of some slots, as the server runs it) gathers and writes back a
     slot's whole state in three kernels each. Where the step runs on the kernels (``_fused_step``,
-    one code frame) and ``in_place`` is set (the default), it gathers nothing: every kernel that
-    touches a state reads and writes the slots' rows of the whole state in place. With ``channels_last`` (the default on CUDA in bf16 and
-    fp16) the SEANet decoder runs on channels-last 4-D activations [B, C, 1, T], which cuDNN
+    a write-first transformer step) and ``in_place`` is set (the default), it gathers nothing:
+    every kernel that touches a state reads and writes the slots' rows of the whole state in
+    place. With ``channels_last`` (the default on CUDA in bf16 and fp16) the SEANet decoder runs on channels-last 4-D activations [B, C, 1, T], which cuDNN
     convolves without layout transposes. On the CPU, and in float32 (the parity mode), the plain
     [B, C, T] path stays: there cuDNN's TF32 convs pick their algorithm by batch size in either
     layout, and a graphed bucket would not equal an eager step to float32 precision.
@@ -1110,9 +1124,10 @@ class MimiStreamingDecoder:
             assert codes.shape[0] == self.batch_size, "codes batch must equal the decoder's batch_size"
             return self._step(codes, self.upsample_tail, self.convs, self.kv)
         assert codes.shape[0] == slots.shape[0], "one row of codes per slot"
-        if self.in_place and codes.shape[-1] == 1 and _fused_step(self.state):
-            # One frame on the kernels: each state-touching kernel steps the slots' rows in place
-            # (the kernels read the slot list as a contiguous vector: no copy when it already is).
+        tokens = codes.shape[-1] * m.cfg.resample_stride  # the transformer's step length
+        if self.in_place and m.decoder_transformer.writes_first(tokens) and _fused_step(self.state):
+            # On the kernels, each state-touching kernel steps the slots' rows in place (they
+            # read the slot list as a contiguous vector: no copy when it already is).
             return self._step(codes, self.upsample_tail, self.convs, self.kv, slots.contiguous())
         state, kv = self.state[slots], self.kv.select(slots)
         tail, *convs = _state_views(state, self._shapes, self._layouts)

@@ -249,10 +249,15 @@ class CPUProduct:
         return y if bias is None else y + bias
 
 
+def _on_gemv(x: Tensor, gemv: bool) -> bool:
+    """Whether a product chosen for the GEMV (``gemv``) takes it for these rows x [M, K]."""
+    return gemv and x.shape[0] <= GEMV_MAX_M
+
+
 def project(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> Tensor:
     """x [M, K] @ w.T + bias: the GEMV for M <= GEMV_MAX_M rows when ``gemv``, the weight's
     ``CPUProduct`` for CPU inputs when it has one, else the library GEMM."""
-    if gemv and x.shape[0] <= GEMV_MAX_M:
+    if _on_gemv(x, gemv):
         from realtime.kernels.gemv import linear
 
         return linear(x, w, bias)
@@ -271,11 +276,20 @@ def project_to_norm(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool) -> An
     """``project`` for a product that only feeds the next residual add + RMSNorm: may return the
     GEMV's split-K partial sums (``gemv.Partials``) when that was measured faster; ``_add_norm``
     takes either."""
-    if gemv and x.shape[0] <= GEMV_MAX_M:
+    if _on_gemv(x, gemv):
         from realtime.kernels.gemv import linear_partials
 
         return linear_partials(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def project_gelu(x: Tensor, w: Tensor, bias: Tensor | None, gemv: bool, approximate: str) -> Tensor:
+    """F.gelu(``project``(x, w, bias), approximate): on the GEMV, the GELU in its epilogue."""
+    if _on_gemv(x, gemv):
+        from realtime.kernels.gemv import linear_gelu
+
+        return linear_gelu(x, w, bias, approximate)
+    return F.gelu(project(x, w, bias, False), approximate=approximate)
 
 
 def _add_norm(out: Any, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
