@@ -17,8 +17,6 @@ import torch
 if not torch.cuda.is_available():  # must precede the first kernel build (kernels import triton lazily)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 
@@ -651,17 +649,9 @@ def test_launchers_check_inputs(cpu_kernels):
 # Run in a fresh interpreter without TRITON_INTERPRET: Triton lowers each kernel to PTX and runs its
 # bundled ptxas for sm_90 (H100/H200) without a GPU, so GPU-only compile errors show up on the CPU.
 _AOT = r"""
-import triton, triton.language as tl
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
+import triton.language as tl
 from realtime.kernels import decode_attention, gemv, layernorm, rmsnorm, rotary, sampling, window_attention
-
-def comp(fn, sig, consts, warps):
-    consts = {"PDL": True, **consts}  # with the griddepcontrol wait/launch the GPU path uses on sm90
-    full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
-    src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
-    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"], fn.fn.__name__
+from sm90 import compile_sm90 as comp
 
 for dt in ("bf16", "fp32"):
     comp(rmsnorm._kernels(), dict(x_ptr=f"*{dt}", r_ptr=f"*{dt}", w_ptr=f"*{dt}", y_ptr=f"*{dt}", s_ptr=f"*{dt}",
@@ -714,10 +704,9 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold cache: really compile
-    r = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    from sm90 import run_script
+
+    run_script(_AOT, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------- GPU

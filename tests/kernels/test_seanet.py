@@ -20,8 +20,6 @@ if not torch.cuda.is_available():  # must precede the first kernel build (kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -304,36 +302,25 @@ def test_mimi_decoder_step_fused(cpu_kernels, monkeypatch, channels_last, slots,
 # Without TRITON_INTERPRET in a fresh interpreter: Triton lowers the kernels to PTX and runs its
 # bundled ptxas for sm_90 without a GPU (the GPU-only libdevice expm1 path included).
 _AOT = r"""
-import triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
 from realtime.kernels import seanet
-
-def comp(fn, sig, consts, barrier=True):
-    consts = {"PDL": True, **consts}
-    full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
-    src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
-    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"], fn.fn.__name__
-    assert not barrier or "bar.sync" in k.asm["ptx"], fn.fn.__name__  # the in-place state's barrier
+from sm90 import compile_sm90 as comp
 
 concat, overlap, bias_act = seanet._kernels()
 for dt in ("bf16", "fp32"):
     comp(concat, dict(x_ptr=f"*{dt}", s_ptr=f"*{dt}", o_ptr=f"*{dt}", rows_ptr="*i64"),
-         dict(ELU=True, LIBDEVICE=True, HAS_ROWS=True, BLOCK_C=32, BLOCK_T=32, BLOCK_P=8))
+         dict(ELU=True, LIBDEVICE=True, HAS_ROWS=True, BLOCK_C=32, BLOCK_T=32, BLOCK_P=8), barrier=True)
     comp(overlap, dict(y_ptr=f"*{dt}", v_ptr=f"*{dt}", bias_ptr=f"*{dt}", o_ptr=f"*{dt}", rows_ptr="*i64"),
-         dict(HAS_BIAS=True, HAS_ROWS=True, BLOCK_C=64, BLOCK_T=16, BLOCK_V=8))
+         dict(HAS_BIAS=True, HAS_ROWS=True, BLOCK_C=64, BLOCK_T=16, BLOCK_V=8), barrier=True)
     comp(bias_act, dict(y_ptr=f"*{dt}", bias_ptr=f"*{dt}", r_ptr=f"*{dt}", o_ptr=f"*{dt}"),
-         dict(HAS_RES=True, ELU=True, LIBDEVICE=True, BLOCK_C=64, BLOCK_T=16), barrier=False)
+         dict(HAS_RES=True, ELU=True, LIBDEVICE=True, BLOCK_C=64, BLOCK_T=16))
 print("compiled")
 """
 
 
 def test_kernels_compile_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cold cache: really compile
-    r = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    from sm90 import run_script
+
+    run_script(_AOT, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------- GPU
