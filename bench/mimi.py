@@ -179,16 +179,20 @@ def main() -> int:
     def gathered(dec) -> None:  # noqa: ANN001
         dec.in_place = False
 
-    def cublas_only(dec) -> None:  # noqa: ANN001  every product on cuBLAS, as before the GEMV choice
+    def cublas_only(dec) -> None:  # noqa: ANN001
+        """Every product on cuBLAS, as before the GEMV choice."""
         for layer in layers:
             layer.self_attn.gemv_qkv = layer.self_attn.gemv_o = layer.gemv_fc1 = layer.gemv_fc2 = False
 
-    def gelu_apart(dec) -> None:  # noqa: ANN001  # fc1 on the GEMV where its plain product measured faster, GELU after it
+    def gelu_apart(dec) -> None:  # noqa: ANN001
+        """fc1 on the GEMV where its plain product measured faster, the GELU after it."""
         for layer in layers:
             layer.gelu = None
             layer.gemv_fc1 = mimi.use_gemv(layer.mlp.fc1.weight, layer.mlp.fc1.bias)
 
-    def seanet_unfused(dec) -> None:  # noqa: ANN001  the glue as PyTorch ops (the refs); the state gathered
+    def seanet_unfused(dec) -> None:  # noqa: ANN001
+        """state_concat and overlap_add as PyTorch ops (their references; bias_act stays a kernel),
+        the state gathered: the glue as the first SEANet kernels replaced it."""
         dec.in_place = False
         seanet.state_concat, seanet.overlap_add = seanet.state_concat_ref, seanet.overlap_add_ref
 

@@ -267,10 +267,14 @@ def _candidates(n: int, k: int | None = None, partials: bool = False) -> list[Co
 _best: dict[tuple, Config] = {}  # per weight key: the fastest configuration measured
 
 
+def _splittable(bias: Tensor | None, swiglu: bool, gelu: str | None) -> bool:
+    """Split-K partials exist only for a plain product: no bias, no activation."""
+    return bias is None and not swiglu and gelu is None
+
+
 def _key(w: Tensor, bias: Tensor | None, swiglu: bool, partials: bool = False, gelu: str | None = None) -> tuple:
-    # Split-K partials exist only for a plain product without bias: other products ignore the flag.
-    plain = bias is None and not swiglu and gelu is None
-    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device, partials and plain, gelu)
+    # Other products than a plain one ignore the partials flag.
+    return (tuple(w.shape), w.dtype, bias is not None, swiglu, w.device, partials and _splittable(bias, swiglu, gelu), gelu)
 
 
 def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool, cfg: Config | None = None,
@@ -293,8 +297,7 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, n_out: int, swiglu: bool,
     kind, bn, bk, warps, stages = cfg[:5]
     splits = _splits(cfg)
     if splits > 1:
-        check(partials and bias is None and not swiglu and gelu is None,
-              "a split-K configuration gives partial sums: linear_partials only")
+        check(partials and _splittable(bias, swiglu, gelu), "a split-K configuration gives partial sums: linear_partials only")
     if kind == "fma":
         bm = triton.next_power_of_2(m)
         bk = max(32, bk // bm)  # the same registers for more rows
