@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -166,6 +167,8 @@ class TextModel(nn.Module):
                 model.lm_head.weight.copy_(head)
         if model.embed_tokens.weight.device.type == "cuda" and use_kernels():  # fast path: fused GEMMs
             model.transformer.fuse_projections()
+            if os.environ.get("REALTIME_STACK", "1") != "0":  # the one-kernel decode step (kernels/decode_stack.py)
+                model.transformer.enable_decode_stack()
             model.gemv_head = use_gemv(model.embed_tokens.weight if tied else model.lm_head.weight)
         return model.eval().requires_grad_(False)
 

@@ -200,6 +200,7 @@ def use_kernels(enabled: bool | None = None) -> bool:
 
 
 _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
+_STACK_MAX_M = 4  # kernels.decode_stack.MAX_M (a plain constant: importing it needs no Triton)
 # The decode GEMV (kernels/gemv.py) per projection: "auto" times it against cuBLAS once per shape
 # at fuse time and keeps the faster; "1" always (M <= GEMV_MAX_M rows), "0" never.
 _GEMV = os.environ.get("REALTIME_GEMV", "auto").strip().lower()
@@ -492,6 +493,8 @@ class Transformer(nn.Module):
         # Non-persistent so HF state dicts (which carry no inv_freq) load strictly.
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self.stack = None  # kernels.decode_stack.StackWeights once ``enable_decode_stack`` ran
+        self.stack_programs: int | None = None  # programs of the persistent kernel (None: one per SM)
 
     def rope_table(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, sin) [n, D] in ``dtype`` for positions 0..n-1, on inv_freq's device: the same
@@ -606,6 +609,12 @@ class Transformer(nn.Module):
         b = x.shape[0]
         cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
         pos = pos.contiguous()  # once here, not in every layer's kernel call
+        if self.stack is not None and b <= _STACK_MAX_M and x.dtype == self.stack.qkv.dtype == cache.dtype:
+            from realtime.kernels.decode_stack import decode_stack
+
+            h = decode_stack(self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v,
+                             slots.contiguous(), cos, sin, programs=self.stack_programs)
+            return h.view(b, 1, cfg.dim)
         lengths = pos + 1  # keys 0..pos are valid for this query
 
         def attend(i: int, layer: DecoderLayer, h: Tensor) -> Tensor:
@@ -617,6 +626,25 @@ class Transformer(nn.Module):
 
         h = self._fused_norm_loop(x.reshape(b, cfg.dim).contiguous(), attend, lambda layer, h: layer.mlp.decode(h))
         return h.view(b, 1, cfg.dim)
+
+    def enable_decode_stack(self, programs: int | None = None) -> bool:
+        """Run one-token steps of <= 4 rows as ONE persistent kernel over all layers
+        (``kernels.decode_stack``) instead of ~9 launches a layer. Call after ``fuse_projections``;
+        the layers' weights move into stacked [L, ...] tensors (views stay in the layers, no
+        extra memory). False (and nothing changed) where the stack kernel does not apply: no
+        kernels, biases, q/k norm, or shapes it does not take. Only one persistent kernel may run
+        on a GPU at a time, so only one engine per GPU should enable it."""
+        cfg = self.cfg
+        if not (self._decode_fusable() and _KERNELS and not cfg.attention_bias and not cfg.mlp_bias
+                and cfg.dim % 16 == 0 and cfg.intermediate_size % 16 == 0 and cfg.head_dim >= 32
+                and (cfg.n_heads * cfg.head_dim) % 16 == 0):
+            return False
+        from realtime.kernels.decode_stack import stack_weights
+
+        if self.stack is None:
+            self.stack = stack_weights(self)
+        self.stack_programs = programs
+        return True
 
     def fuse_projections(self) -> None:
         """Fuse q|k|v and gate|up into one GEMM each (half the GEMM launches of a decode step).

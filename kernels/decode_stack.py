@@ -1,0 +1,557 @@
+"""A whole decoder stack's one-token step in ONE persistent kernel (Llama layers, M <= 4 rows).
+
+    h = final_norm(layers(x))    x [M, dim] -> h [M, dim]; K/V of the step written into the cache
+
+The layer-by-layer decode launches ~5 kernels a layer besides its 4 GEMVs; at batch 1 each of
+them is latency, not bytes, and the HBM idles between them. Here one program runs on every SM
+and walks the layers through five phases, separated by grid barriers (a monotonic counter):
+
+    0  input RMSNorm (each program normalises the rows into its own scratch) + q|k|v GEMV rows
+    1  RoPE, this step's K/V written into the cache, split attention over the cache (partials)
+    2  merge of the partials (per program) + o GEMV rows + residual add
+    3  post-attention RMSNorm + gate|up GEMV rows with SwiGLU
+    4  down GEMV rows + residual add
+    then the final RMSNorm.
+
+Every GEMV gives each program cdiv(N, P) consecutive rows of the weight (one contiguous slice),
+and while a program waits at a barrier the HBM keeps streaming: before each barrier it asks the
+L2 to prefetch its slice of a later phase's weights (``cp.async.bulk.prefetch.L2``), so after the
+barrier those bytes come from L2.
+
+Numerics are the layer-by-layer kernels' (rmsnorm.add_rmsnorm, rotary.rotary_cache_write,
+decode_attention, gemv.swiglu): products accumulated in float32 and rounded to the activation
+dtype, residual sums rounded, attention scores in float32 with p·v in the activation dtype.
+
+The CPU interpreter runs programs one after another, so a grid barrier cannot work there: off the
+GPU the launcher runs one phase per launch (``only=``) and the launch boundary is the barrier.
+The kernel assumes all P programs are resident at once (P <= SMs, one program per SM): do not run
+two persistent kernels on one GPU concurrently (the engines enable it for the text model only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._triton import check, interpret_mode, pdl, use_triton
+
+__all__ = ["StackWeights", "stack_weights", "decode_stack", "errors", "MAX_M", "PHASES"]
+
+MAX_M = 4
+PHASES = 5  # per layer (the kernel spells it 5)
+_BLOCK_N = 64  # keys per attention step
+_PF_BYTES = 4096  # one L2 prefetch
+_SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets the error flag)
+
+
+@functools.cache
+def _kernels():
+    global triton, tl, gdc_wait, _grid_barrier, _prefetch, _norm_rows, _rows_dot, _rotate  # the jit'd functions resolve these through module globals
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_wait
+
+    @triton.jit
+    def _grid_barrier(cnt_ptr, P: tl.constexpr):
+        # cnt_ptr[0] (int64) only grows: P arrivals per barrier, so barrier j of any launch waits
+        # for the next multiple of P above the value it arrived at. cnt_ptr[1]: error flag.
+        tl.debug_barrier()  # every thread's stores before the arrival
+        old = tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+        target = (old // P + 1) * P
+        cur = tl.load(cnt_ptr, volatile=True)
+        n = 0
+        while (cur < target) & (n < 16777216):
+            cur = tl.load(cnt_ptr, volatile=True)
+            n += 1
+        if n >= 16777216:
+            tl.atomic_or(cnt_ptr + 1, 1)
+        tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+    @triton.jit
+    def _prefetch(ptr, n_elems, NPF: tl.constexpr, CH: tl.constexpr, ON: tl.constexpr):
+        # L2 prefetch of up to NPF chunks of CH elements (4 KB) from ptr, within n_elems.
+        if ON:
+            if n_elems >= CH:
+                offs = tl.minimum(tl.arange(0, NPF) * CH, n_elems - CH)
+                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l",
+                                          [ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _norm_rows(src_ptr, w_ptr, dst_ptr, stride_dst, M: tl.constexpr, DIM: tl.constexpr, eps,
+                   BLOCK_M: tl.constexpr, BD: tl.constexpr):
+        # dst[m] = RMSNorm(src[m]) * w for the M rows (rmsnorm kernel's roundings); dst is private.
+        rm = tl.arange(0, BLOCK_M)
+        mm = rm < M
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for c in range(DIM // BD):
+            cols = c * BD + tl.arange(0, BD)
+            x = tl.load(src_ptr + rm[:, None] * DIM + cols[None, :], mask=mm[:, None], other=0.0, cache_modifier=".cg")
+            h = x.to(tl.float32)
+            ss += tl.sum(h * h, axis=1)
+        rstd = tl.math.rsqrt(ss / DIM + eps)
+        for c in range(DIM // BD):
+            cols = c * BD + tl.arange(0, BD)
+            x = tl.load(src_ptr + rm[:, None] * DIM + cols[None, :], mask=mm[:, None], other=0.0, cache_modifier=".cg")
+            w = tl.load(w_ptr + cols).to(tl.float32)
+            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
+            tl.store(dst_ptr + rm[:, None] * stride_dst + cols[None, :], y.to(x.dtype), mask=mm[:, None])
+
+    @triton.jit
+    def _rows_dot(x_ptr, stride_x, w_ptr, row0, R, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+        # acc [16, BN] = x[0:M] (row stride stride_x) @ w[row0 : row0 + R].T: rows padded to 16 for tl.dot,
+        # the K loop software-pipelined (STAGES tiles in flight).
+        rm = tl.arange(0, 16)
+        mm = rm < M
+        rr = tl.arange(0, BN)
+        rn = row0 + rr
+        nm = (rr < R) & (rn < N)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * K
+        acc = tl.zeros([16, BN], tl.float32)
+        for i in tl.range(0, K // BK, num_stages=STAGES):
+            rk = i * BK + tl.arange(0, BK)
+            w = tl.load(w_rows + rk[None, :], mask=nm[:, None], other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mm[:, None], other=0.0, cache_modifier=".cg")
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        return acc
+
+    @triton.jit
+    def _rotate(x1, x2, c1, c2, s1, s2):
+        # The rotary kernel's bf16 expression on halves (float32 in, rounded like the engine).
+        dt = x1.dtype
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        o1 = ((a * c1).to(dt).to(tl.float32) - (b * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
+        return o1, o2
+
+    @triton.jit
+    def _stack_kernel(
+        x_ptr,  # *x [M, DIM]: the step's input hidden rows (read, not written)
+        h_ptr,  # *h [M, DIM] output: the final RMSNorm of the residual
+        res_ptr,  # *residual scratch [M, DIM]
+        qkv_ptr,  # *q|k|v scratch [M, (H + 2 HKV) HD]
+        part_ptr,  # *attention partials [M, H, NS, HD] float32
+        ml_ptr,  # *(max in log2 units, sum p) [M, H, NS, 2] float32
+        act_ptr,  # *SwiGLU output scratch [M, I]
+        priv_ptr,  # *per-program input rows [P, M, KP] (the normalised or merged row a GEMV reads)
+        cnt_ptr,  # *int64 [2]: barrier counter, error flag
+        wqkv_ptr,  # *[L, (H + 2 HKV) HD, DIM]
+        wo_ptr,  # *[L, DIM, H HD]
+        wgu_ptr,  # *[L, 2 I, DIM] (gate rows, then up rows)
+        wd_ptr,  # *[L, DIM, I]
+        nrm_ptr,  # *[L, 2, DIM]: input and post-attention RMSNorm weights
+        fnorm_ptr,  # *[DIM] final RMSNorm weight
+        k_ptr, v_ptr,  # *caches [L, S, HKV, TMAX, HD], strides sk_* (both caches)
+        cos_ptr, sin_ptr,  # *[P_tab, HD] tables by position, row stride s_tab
+        pos_ptr, slots_ptr,  # *[M] int64
+        eps, qk_scale,
+        sk_l, sk_s, sk_h, sk_t, s_tab,
+        only,  # the one phase to run (5 l + k, or 5 L for the final norm); -1: all, with barriers
+        M: tl.constexpr, DIM: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+        I: tl.constexpr, L: tl.constexpr, TMAX: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr,
+        P: tl.constexpr, KP: tl.constexpr,
+        R_QKV: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
+        R_O: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
+        R_GU: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
+        R_D: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+        STAGES: tl.constexpr, BD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+        HALF_B: tl.constexpr, HD_B: tl.constexpr, H_B: tl.constexpr, ITEMS: tl.constexpr,
+        PF_GU: tl.constexpr, PF_D: tl.constexpr, NPF_QKV: tl.constexpr, NPF_O: tl.constexpr,
+        CH: tl.constexpr, BLOCK_KV: tl.constexpr,  # elements per L2 prefetch (4 KB); keys per attention step
+        BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    ):
+        if PDL:
+            gdc_wait()  # the kernel before (the embedding) has finished and its writes are visible
+        pid = tl.program_id(0)
+        NQKV: tl.constexpr = (H + 2 * HKV) * HD
+        G: tl.constexpr = H // HKV
+        HALF: tl.constexpr = HD // 2
+        priv = priv_ptr + pid * (M * KP)
+        rm16 = tl.arange(0, 16)
+        mm16 = rm16 < M
+        # The first layer's q|k|v slice, while the kernel starts.
+        _prefetch(wqkv_ptr + pid * R_QKV * DIM, R_QKV * DIM, NPF_QKV, CH, PREFETCH)
+        for layer in range(L):
+            l64 = tl.cast(layer, tl.int64)
+            src = res_ptr
+            if layer == 0:
+                src = x_ptr
+            # ---- 0: input norm + q|k|v rows
+            if (only < 0) | (only == 5 * layer):
+                _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
+                tl.debug_barrier()
+                row0 = pid * R_QKV
+                acc = _rows_dot(priv, KP, wqkv_ptr + l64 * NQKV * DIM, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV,
+                                STAGES, DOT_F32)
+                rn = row0 + tl.arange(0, BN_QKV)
+                nm = (tl.arange(0, BN_QKV) < R_QKV) & (rn < NQKV)
+                tl.store(qkv_ptr + rm16[:, None] * NQKV + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
+                         mask=mm16[:, None] & nm[None, :])
+                _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), R_O * H * HD, NPF_O, CH, PREFETCH)
+                if BARRIER:
+                    _grid_barrier(cnt_ptr, P)
+            # ---- 1: RoPE, cache write, split attention
+            if (only < 0) | (only == 5 * layer + 1):
+                dh = tl.arange(0, HALF_B)
+                dmh = dh < HALF
+                d = tl.arange(0, HD_B)
+                dm = d < HD
+                g_ = tl.arange(0, BLOCK_G)
+                gm = g_ < G
+                for it in range(ITEMS):
+                    item = pid + it * P
+                    if item < M * HKV * NS:
+                        m = item // (HKV * NS)
+                        kvh = (item // NS) % HKV
+                        sp = item % NS
+                        p = tl.load(pos_ptr + m)
+                        slot = tl.load(slots_ptr + m)
+                        length = tl.minimum(p + 1, TMAX)
+                        lo = sp * CHUNK
+                        hi = tl.minimum(lo + CHUNK, length)
+                        if lo < hi:
+                            c_off = p * s_tab + dh
+                            c1 = tl.load(cos_ptr + c_off, mask=dmh, other=0.0).to(tl.float32)
+                            c2 = tl.load(cos_ptr + c_off + HALF, mask=dmh, other=0.0).to(tl.float32)
+                            s1 = tl.load(sin_ptr + c_off, mask=dmh, other=0.0).to(tl.float32)
+                            s2 = tl.load(sin_ptr + c_off + HALF, mask=dmh, other=0.0).to(tl.float32)
+                            kb = layer * sk_l + slot * sk_s + kvh * sk_h
+                            if (p >= lo) & (p < hi):  # this split holds the step's own key: write it first
+                                kin = qkv_ptr + m * NQKV + (H + kvh) * HD
+                                k1, k2 = _rotate(tl.load(kin + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
+                                                 tl.load(kin + HALF + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
+                                                 c1, c2, s1, s2)
+                                tl.store(k_ptr + kb + p * sk_t + dh, k1.to(k_ptr.dtype.element_ty), mask=dmh)
+                                tl.store(k_ptr + kb + p * sk_t + HALF + dh, k2.to(k_ptr.dtype.element_ty), mask=dmh)
+                                vv = tl.load(kin + HKV * HD + d, mask=dm, other=0.0, cache_modifier=".cg")
+                                tl.store(v_ptr + kb + p * sk_t + d, vv.to(v_ptr.dtype.element_ty), mask=dm)
+                                tl.debug_barrier()
+                            heads = kvh * G + g_
+                            qin = qkv_ptr + m * NQKV + heads[:, None] * HD + dh[None, :]
+                            qm = gm[:, None] & dmh[None, :]
+                            q1, q2 = _rotate(tl.load(qin, mask=qm, other=0.0, cache_modifier=".cg"),
+                                             tl.load(qin + HALF, mask=qm, other=0.0, cache_modifier=".cg"),
+                                             c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+                            if DOT_F32:
+                                q1 = q1.to(tl.float32)
+                                q2 = q2.to(tl.float32)
+                            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                            l_i = tl.zeros([BLOCK_G], tl.float32)
+                            o = tl.zeros([BLOCK_G, HD_B], tl.float32)
+                            for i in range(CHUNK // BLOCK_KV):
+                                start = lo + i * BLOCK_KV
+                                if start < hi:
+                                    n = start + tl.arange(0, BLOCK_KV)
+                                    nmask = n < hi
+                                    kr = k_ptr + kb + n[:, None].to(tl.int64) * sk_t
+                                    k1 = tl.load(kr + dh[None, :], mask=nmask[:, None] & dmh[None, :], other=0.0,
+                                                 cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
+                                    k2 = tl.load(kr + HALF + dh[None, :], mask=nmask[:, None] & dmh[None, :], other=0.0,
+                                                 cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
+                                    vr = v_ptr + kb + n[:, None].to(tl.int64) * sk_t + d[None, :]
+                                    v = tl.load(vr, mask=nmask[:, None] & dm[None, :], other=0.0,
+                                                cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
+                                    if DOT_F32:
+                                        s = tl.dot(q1, tl.trans(k1.to(tl.float32)), input_precision="ieee")
+                                        s += tl.dot(q2, tl.trans(k2.to(tl.float32)), input_precision="ieee")
+                                    else:
+                                        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+                                    s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+                                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                                    alpha = tl.exp2(m_i - m_new)
+                                    pr = tl.exp2(s - m_new[:, None])
+                                    l_i = l_i * alpha + tl.sum(pr, axis=1)
+                                    if DOT_F32:
+                                        o = o * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+                                    else:
+                                        o = o * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                                    m_i = m_new
+                            row = (m * H + heads) * NS + sp
+                            tl.store(part_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None] & dm[None, :])
+                            tl.store(ml_ptr + row * 2, m_i, mask=gm)
+                            tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+                _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, R_GU * DIM, PF_GU, CH, PREFETCH)
+                _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, R_GU * DIM, PF_GU, CH, PREFETCH)
+                if BARRIER:
+                    _grid_barrier(cnt_ptr, P)
+            # ---- 2: merge + o rows + residual
+            if (only < 0) | (only == 5 * layer + 2):
+                hh = tl.arange(0, H_B)
+                hm = hh < H
+                d = tl.arange(0, HD_B)
+                dm = d < HD
+                for m in range(M):
+                    length = tl.minimum(tl.load(pos_ptr + m) + 1, TMAX)
+                    mx = tl.full([H_B], float("-inf"), tl.float32)
+                    for sp in range(NS):
+                        if sp * CHUNK < length:
+                            mx = tl.maximum(mx, tl.load(ml_ptr + ((m * H + hh) * NS + sp) * 2, mask=hm,
+                                                        other=float("-inf"), cache_modifier=".cg"))
+                    num = tl.zeros([H_B, HD_B], tl.float32)
+                    den = tl.zeros([H_B], tl.float32)
+                    for sp in range(NS):
+                        if sp * CHUNK < length:
+                            r = (m * H + hh) * NS + sp
+                            ms = tl.load(ml_ptr + r * 2, mask=hm, other=float("-inf"), cache_modifier=".cg")
+                            ls = tl.load(ml_ptr + r * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
+                            w = tl.where(ms > float("-inf"), tl.exp2(ms - mx), 0.0)
+                            a = tl.load(part_ptr + r[:, None] * HD + d[None, :], mask=hm[:, None] & dm[None, :],
+                                        other=0.0, cache_modifier=".cg")
+                            num += a * w[:, None]
+                            den += ls * w
+                    out = num / tl.where(den > 0, den, 1.0)[:, None]
+                    tl.store(priv + m * KP + hh[:, None] * HD + d[None, :], out.to(priv_ptr.dtype.element_ty),
+                             mask=hm[:, None] & dm[None, :])
+                tl.debug_barrier()
+                row0 = pid * R_O
+                acc = _rows_dot(priv, KP, wo_ptr + l64 * DIM * (H * HD), row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES,
+                                DOT_F32)
+                rn = row0 + tl.arange(0, BN_O)
+                nm = (tl.arange(0, BN_O) < R_O) & (rn < DIM)
+                om = mm16[:, None] & nm[None, :]
+                r = tl.load(src + rm16[:, None] * DIM + rn[None, :], mask=om, other=0.0, cache_modifier=".cg")
+                y = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+                tl.store(res_ptr + rm16[:, None] * DIM + rn[None, :], y, mask=om)
+                if BARRIER:
+                    _grid_barrier(cnt_ptr, P)
+            # ---- 3: post-attention norm + gate|up rows + SwiGLU
+            if (only < 0) | (only == 5 * layer + 3):
+                _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
+                tl.debug_barrier()
+                row0 = pid * R_GU
+                wg = wgu_ptr + l64 * 2 * I * DIM
+                gacc = _rows_dot(priv, KP, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
+                uacc = _rows_dot(priv, KP, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
+                out_t = act_ptr.dtype.element_ty
+                gv = gacc.to(out_t).to(tl.float32)
+                sv = (gv / (1.0 + tl.exp(-gv))).to(out_t).to(tl.float32)
+                y = sv * uacc.to(out_t).to(tl.float32)
+                rn = row0 + tl.arange(0, BN_GU)
+                nm = (tl.arange(0, BN_GU) < R_GU) & (rn < I)
+                tl.store(act_ptr + rm16[:, None] * I + rn[None, :], y.to(out_t), mask=mm16[:, None] & nm[None, :])
+                _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, R_D * I, PF_D, CH, PREFETCH)
+                if BARRIER:
+                    _grid_barrier(cnt_ptr, P)
+            # ---- 4: down rows + residual
+            if (only < 0) | (only == 5 * layer + 4):
+                row0 = pid * R_D
+                acc = _rows_dot(act_ptr, I, wd_ptr + l64 * DIM * I, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32)
+                rn = row0 + tl.arange(0, BN_D)
+                nm = (tl.arange(0, BN_D) < R_D) & (rn < DIM)
+                om = mm16[:, None] & nm[None, :]
+                r = tl.load(res_ptr + rm16[:, None] * DIM + rn[None, :], mask=om, other=0.0, cache_modifier=".cg")
+                y = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+                tl.store(res_ptr + rm16[:, None] * DIM + rn[None, :], y, mask=om)
+                if layer + 1 < L:
+                    _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, R_QKV * DIM, NPF_QKV, CH, PREFETCH)
+                if BARRIER:
+                    _grid_barrier(cnt_ptr, P)
+        # ---- the final norm (one program: M rows of DIM)
+        if (only < 0) | (only == 5 * L):
+            if pid == 0:
+                _norm_rows(res_ptr, fnorm_ptr, h_ptr, DIM, M, DIM, eps, BLOCK_M, BD)
+
+    return _stack_kernel
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _block_k(k: int, bn: int, tile: int = 8192) -> int:
+    """The K step: a power of two dividing K, ~``tile`` weight elements per step, in [16, 512]."""
+    bk = min(512, max(16, _pow2_at_most(tile // bn)))
+    while k % bk:
+        bk //= 2
+    return bk
+
+
+@dataclass
+class StackWeights:
+    """One decoder stack's weights stacked over layers (the engine's per-layer tensors are views):
+    qkv [L, (H + 2 HKV) HD, DIM], o [L, DIM, H HD], gate_up [L, 2 I, DIM], down [L, DIM, I],
+    norms [L, 2, DIM] (input, post-attention), final [DIM]."""
+
+    qkv: Tensor
+    o: Tensor
+    gate_up: Tensor
+    down: Tensor
+    norms: Tensor
+    final: Tensor
+    n_heads: int
+    n_kv_heads: int
+    eps: float
+    scratch: dict = field(default_factory=dict)  # per (programs, splits): the kernel's ``_Scratch``
+
+
+class _Scratch:
+    """Per (device, programs): the kernel's scratch buffers and the barrier counter."""
+
+    def __init__(self, w: StackWeights, m: int, ns: int, programs: int) -> None:
+        dim = w.qkv.shape[2]
+        hd = w.qkv.shape[1] // (w.n_heads + 2 * w.n_kv_heads)
+        inter = w.down.shape[2]
+        dev, dt = w.qkv.device, w.qkv.dtype
+        self.res = torch.empty((m, dim), device=dev, dtype=dt)
+        self.qkv = torch.empty((m, w.qkv.shape[1]), device=dev, dtype=dt)
+        self.part = torch.empty((m, w.n_heads, ns, hd), device=dev, dtype=torch.float32)
+        self.ml = torch.empty((m, w.n_heads, ns, 2), device=dev, dtype=torch.float32)
+        self.act = torch.empty((m, inter), device=dev, dtype=dt)
+        self.kp = max(dim, w.n_heads * hd)
+        self.priv = torch.empty((programs, m, self.kp), device=dev, dtype=dt)
+        self.counter = torch.zeros(2, device=dev, dtype=torch.int64)
+
+
+def default_programs(device: torch.device) -> int:
+    """One program per SM on CUDA; 3 under the interpreter (uneven row splits get exercised)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3
+
+
+def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                 cos: Tensor, sin: Tensor, programs: int | None = None, prefetch: bool = True) -> Tensor:
+    """x [M, DIM] (M <= MAX_M), pos/slots [M] int64, caches [L, S, HKV, TMAX, HD], cos/sin [P, HD]
+    -> the final-norm output [M, DIM]; writes each row's K/V at (slot, pos) of every layer."""
+    check(use_triton("decode_stack", x, w.qkv, k_cache), "decode_stack needs CUDA or the interpreter")
+    m, dim = x.shape
+    nl, nqkv, wdim = w.qkv.shape
+    h, hkv = w.n_heads, w.n_kv_heads
+    hd = nqkv // (h + 2 * hkv)
+    inter = w.down.shape[2]
+    check(1 <= m <= MAX_M and wdim == dim and x.is_contiguous(), f"x must be [1..{MAX_M}, {wdim}], got {tuple(x.shape)}")
+    check(k_cache.shape[0] == nl and k_cache.shape[2] == hkv and k_cache.shape[4] == hd and k_cache.stride() == v_cache.stride()
+          and k_cache.shape == v_cache.shape and k_cache.stride(4) == 1, "caches must be [L, S, HKV, TMAX, HD], one layout")
+    check(pos.shape == (m,) and slots.shape == (m,) and pos.dtype == slots.dtype == torch.long, "pos, slots: int64 [M]")
+    check(dim % 16 == 0 and inter % 16 == 0 and (h * hd) % 16 == 0 and hd % 2 == 0 and hd >= 32,
+          "the stack kernel needs dims that are multiples of 16 and a head dim >= 32")
+    kernel = _kernels()
+    p = programs or default_programs(x.device)
+    tmax = k_cache.shape[3]
+    chunk = max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(tmax * m * hkv, p)))
+    ns = triton.cdiv(tmax, chunk)
+    sc = w.scratch.get((p, ns))
+    if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
+        sc = w.scratch[(p, ns)] = _Scratch(w, MAX_M, ns, p)
+    out = torch.empty_like(x)
+
+    def rows(n: int) -> tuple[int, int]:
+        r = triton.cdiv(n, p)
+        return r, max(16, triton.next_power_of_2(r))
+
+    r_qkv, bn_qkv = rows(nqkv)
+    r_o, bn_o = rows(dim)
+    r_gu, bn_gu = rows(inter)
+    r_d, bn_d = rows(dim)
+    elem = x.element_size()
+    ch = _PF_BYTES // elem
+    gpu = x.is_cuda and not interpret_mode()
+    on = gpu and prefetch and elem == 2
+
+    def npf(n_elems: int) -> int:
+        return max(1, triton.next_power_of_2(triton.cdiv(n_elems, ch)))
+
+    g = h // hkv
+    meta = dict(
+        M=m, DIM=dim, H=h, HKV=hkv, HD=hd, I=inter, L=nl, TMAX=tmax, CHUNK=chunk, NS=ns, P=p, KP=sc.kp,
+        R_QKV=r_qkv, BN_QKV=bn_qkv, BK_QKV=_block_k(dim, bn_qkv),
+        R_O=r_o, BN_O=bn_o, BK_O=_block_k(h * hd, bn_o),
+        R_GU=r_gu, BN_GU=bn_gu, BK_GU=_block_k(dim, bn_gu, 4096),
+        R_D=r_d, BN_D=bn_d, BK_D=_block_k(inter, bn_d),
+        STAGES=4, BD=min(1024, _pow2_at_most(dim)) if dim % min(1024, _pow2_at_most(dim)) == 0 else 16,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(g)),
+        HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd), H_B=triton.next_power_of_2(h),
+        ITEMS=triton.cdiv(m * hkv * ns, p),
+        # a quarter of each gate/up/down slice, all of the q|k|v and o slices, ahead of their phase
+        PF_GU=min(64, npf(r_gu * dim // 4)), PF_D=min(64, npf(r_d * inter // 4)),
+        NPF_QKV=min(128, npf(r_qkv * dim)), NPF_O=min(128, npf(r_o * h * hd)),
+        CH=ch, BLOCK_KV=_BLOCK_N, PREFETCH=on, DOT_F32=x.dtype == torch.float32 or not x.is_cuda,
+    )
+    dim_ok = dim % meta["BD"] == 0
+    check(dim_ok, f"DIM={dim} must be a multiple of {meta['BD']}")
+    args = (x, out, sc.res, sc.qkv, sc.part, sc.ml, sc.act, sc.priv, sc.counter, w.qkv, w.o, w.gate_up, w.down,
+            w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
+    if gpu:
+        use_pdl = pdl(x)
+        kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=4, num_stages=1, launch_pdl=use_pdl, **meta)
+    else:
+        for ph in range(PHASES * nl + 1):  # the launch boundary is the barrier
+            kernel[(p,)](*args, ph, BARRIER=False, PDL=False, num_warps=4, num_stages=1, **meta)
+    return out
+
+
+def errors(w: StackWeights) -> int:
+    """How many of this stack's launches hit the barrier's poll limit (a bug: then results are
+    wrong); reads the device flag (a sync)."""
+    return sum(int(sc.counter[1]) for sc in w.scratch.values())
+
+
+def stack_weights(transformer) -> StackWeights:  # noqa: ANN001
+    """Stack a fused ``engines.transformer.Transformer``'s layer weights (layer by layer, so the
+    peak is one layer more than the model) and re-point the layers' tensors at the stacked copy."""
+    layers = transformer.layers
+    cfg = transformer.cfg
+    first = layers[0]
+
+    def stack(get, set_) -> Tensor:  # noqa: ANN001
+        t0 = get(first)
+        out = torch.empty((len(layers), *t0.shape), device=t0.device, dtype=t0.dtype)
+        for i, layer in enumerate(layers):
+            with torch.no_grad():
+                out[i].copy_(get(layer))
+            set_(layer, out[i])
+        return out
+
+    def set_qkv(layer, t) -> None:  # noqa: ANN001
+        att = layer.self_attn
+        att.qkv_weight = t
+        at = 0
+        for proj in (att.q_proj, att.k_proj, att.v_proj):
+            n = proj.weight.shape[0]
+            proj.weight.data = t[at:at + n]
+            at += n
+
+    def set_gu(layer, t) -> None:  # noqa: ANN001
+        mlp = layer.mlp
+        mlp.gate_up_weight = t
+        n = mlp.gate_proj.weight.shape[0]
+        mlp.gate_proj.weight.data = t[:n]
+        mlp.up_proj.weight.data = t[n:]
+
+    def set_param(attr):  # noqa: ANN001, ANN202
+        def set_(layer, t) -> None:  # noqa: ANN001
+            obj = layer
+            *path, name = attr.split(".")
+            for a in path:
+                obj = getattr(obj, a)
+            getattr(obj, name).data = t
+        return set_
+
+    def get_param(attr):  # noqa: ANN001, ANN202
+        def get(layer):  # noqa: ANN001, ANN202
+            obj = layer
+            for a in attr.split("."):
+                obj = getattr(obj, a)
+            return obj.data if isinstance(obj, torch.nn.Parameter) else obj
+        return get
+
+    qkv = stack(lambda layer: layer.self_attn.qkv_weight, set_qkv)
+    o = stack(get_param("self_attn.o_proj.weight"), set_param("self_attn.o_proj.weight"))
+    gu = stack(lambda layer: layer.mlp.gate_up_weight, set_gu)
+    down = stack(get_param("mlp.down_proj.weight"), set_param("mlp.down_proj.weight"))
+    norms = torch.stack([torch.stack([la.input_layernorm.weight.data, la.post_attention_layernorm.weight.data])
+                         for la in layers]).contiguous()
+    for i, la in enumerate(layers):
+        la.input_layernorm.weight.data = norms[i, 0]
+        la.post_attention_layernorm.weight.data = norms[i, 1]
+    return StackWeights(qkv, o, gu, down, norms, transformer.norm.weight.data, cfg.n_heads, cfg.n_kv_heads, cfg.rms_eps)
