@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from realtime.cuda_graphs import capture as capture_graph
 from realtime.engines.sampling import sample
-from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, project, rope_frequencies, use_gemv, use_kernels
+from realtime.engines.transformer import (KVCache, Transformer, TransformerConfig, project, rope_frequencies,
+                                          stack_enabled, use_gemv, use_kernels)
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM", "CSMStepGraphs", "CSMPrefillGraphs"]
@@ -628,6 +629,9 @@ class CSM(nn.Module):
         decode-time product the faster of the GEMV and cuBLAS (measured once per shape)."""
         self.backbone.fuse_projections()
         self.depth.fuse_projections()
+        if stack_enabled("csm"):  # both stacks' one-token steps as one persistent kernel each
+            self.backbone.enable_decode_stack()
+            self.depth.enable_decode_stack()
         with torch.no_grad():
             self.codebooks_head_t = self.codebooks_head.detach().transpose(1, 2).contiguous()
         self.gemv_lm_head = use_gemv(self.lm_head.weight)

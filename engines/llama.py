@@ -14,7 +14,6 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,7 +26,7 @@ from torch import Tensor, nn
 from realtime.engines.sampling import sample
 from realtime.engines.tokenizer import TextTokenizer, gguf_metadata
 from realtime.engines.transformer import (CPUProduct, KVCache, Transformer, TransformerConfig, project,
-                                          rope_frequencies, use_gemv, use_kernels)
+                                          rope_frequencies, stack_enabled, use_gemv, use_kernels)
 from realtime.errors import ConfigError, ModelFormatError, ProtocolError, UnsupportedError
 
 __all__ = ["TextModel", "default_gguf_path", "DEFAULT_GGUF_PACKAGE", "DEFAULT_GGUF_FILE"]
@@ -167,7 +166,7 @@ class TextModel(nn.Module):
                 model.lm_head.weight.copy_(head)
         if model.embed_tokens.weight.device.type == "cuda" and use_kernels():  # fast path: fused GEMMs
             model.transformer.fuse_projections()
-            if os.environ.get("REALTIME_STACK", "1") != "0":  # the one-kernel decode step (kernels/decode_stack.py)
+            if stack_enabled("text"):  # the one-kernel decode step (kernels/decode_stack.py)
                 model.transformer.enable_decode_stack()
             model.gemv_head = use_gemv(model.embed_tokens.weight if tied else model.lm_head.weight)
         return model.eval().requires_grad_(False)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 from realtime.kernels.gemv import MAX_M as GEMV_MAX_M  # plain constant: importing it needs no Triton
 
-__all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm", "fuse_params"]
+__all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm", "fuse_params", "stack_enabled"]
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,24 @@ def use_kernels(enabled: bool | None = None) -> bool:
 
 _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 _STACK_MAX_M = 4  # kernels.decode_stack.MAX_M (a plain constant: importing it needs no Triton)
+# The one-kernel decode step (kernels/decode_stack.py) per engine: "0" (default until it has been
+# measured on the H200: off), "1" (the first engine of the process that asks gets it), or a comma
+# list of engines ("text", "csm"). One engine at most: two persistent kernels on one GPU at once,
+# from two engines' streams, could each hold half the SMs and wait for the other half forever.
+_STACK = os.environ.get("REALTIME_STACK", "0").strip().lower()
+_stack_owner: list[str] = []
+
+
+def stack_enabled(engine: str) -> bool:
+    """Whether ``engine`` ("text", "csm") runs its decode steps as one persistent kernel (see
+    ``_STACK``); at most one engine per process gets a yes."""
+    if _STACK in ("", "0") or (_STACK != "1" and engine not in _STACK.split(",")):
+        return False
+    if _stack_owner and _stack_owner[0] != engine:
+        return False
+    if not _stack_owner:
+        _stack_owner.append(engine)
+    return True
 # The decode GEMV (kernels/gemv.py) per projection: "auto" times it against cuBLAS once per shape
 # at fuse time and keeps the faster; "1" always (M <= GEMV_MAX_M rows), "0" never.
 _GEMV = os.environ.get("REALTIME_GEMV", "auto").strip().lower()

@@ -39,18 +39,21 @@ from torch import Tensor
 
 from ._triton import check, interpret_mode, pdl, use_triton
 
-__all__ = ["StackWeights", "stack_weights", "decode_stack", "errors", "MAX_M", "PHASES"]
+__all__ = ["StackWeights", "stack_weights", "decode_stack", "launch_meta", "errors", "MAX_M", "PHASES"]
 
 MAX_M = 4
 PHASES = 5  # per layer (the kernel spells it 5)
 _BLOCK_N = 64  # keys per attention step
 _PF_BYTES = 4096  # one L2 prefetch
+# 8 warps: at 4 the 1B-shape kernel spills ~1.1 KB a thread (255 registers either way; 8 x 32 x 255
+# is the whole register file, one program per SM, which is what the barrier needs anyway)
+_WARPS = 8
 _SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets the error flag)
 
 
 @functools.cache
 def _kernels():
-    global triton, tl, gdc_wait, _grid_barrier, _prefetch, _norm_rows, _rows_dot, _rotate  # the jit'd functions resolve these through module globals
+    global triton, tl, gdc_wait, _grid_barrier, _prefetch, _norm_rows, _rows_dot, _add_residual, _rotate  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
@@ -64,12 +67,15 @@ def _kernels():
         target = (old // P + 1) * P
         cur = tl.load(cnt_ptr, volatile=True)
         n = 0
-        while (cur < target) & (n < 16777216):
+        while (cur < target) & (n < 16777216):  # _SPIN_LIMIT polls
             cur = tl.load(cnt_ptr, volatile=True)
             n += 1
-        if n >= 16777216:
+        # the acquire that orders the reads after the barrier: a compare-and-swap that never swaps
+        # (the counter is never -1; an atomic add of 0 is folded away by the compiler)
+        never = tl.cast(-1, tl.int64)
+        cur = tl.atomic_cas(cnt_ptr, never, never, sem="acquire", scope="gpu")
+        if cur < target:
             tl.atomic_or(cnt_ptr + 1, 1)
-        tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
     @triton.jit
@@ -124,6 +130,18 @@ def _kernels():
         return acc
 
     @triton.jit
+    def _add_residual(acc, r_ptr, res_ptr, row0, R, M: tl.constexpr, DIM: tl.constexpr, BN: tl.constexpr):
+        # res[0:M, row0 : row0 + R] = r + acc, the product rounded to the residual dtype first and
+        # the sum rounded (add_rmsnorm's roundings); r_ptr is res_ptr, or the stack's input.
+        rm = tl.arange(0, 16)
+        rr = tl.arange(0, BN)
+        rn = row0 + rr
+        om = (rm < M)[:, None] & ((rr < R) & (rn < DIM))[None, :]
+        r = tl.load(r_ptr + rm[:, None] * DIM + rn[None, :], mask=om, other=0.0, cache_modifier=".cg")
+        y = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(res_ptr + rm[:, None] * DIM + rn[None, :], y, mask=om)
+
+    @triton.jit
     def _rotate(x1, x2, c1, c2, s1, s2):
         # The rotary kernel's bf16 expression on halves (float32 in, rounded like the engine).
         dt = x1.dtype
@@ -169,8 +187,6 @@ def _kernels():
         CH: tl.constexpr, BLOCK_KV: tl.constexpr,  # elements per L2 prefetch (4 KB); keys per attention step
         BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     ):
-        if PDL:
-            gdc_wait()  # the kernel before (the embedding) has finished and its writes are visible
         pid = tl.program_id(0)
         NQKV: tl.constexpr = (H + 2 * HKV) * HD
         G: tl.constexpr = H // HKV
@@ -178,8 +194,10 @@ def _kernels():
         priv = priv_ptr + pid * (M * KP)
         rm16 = tl.arange(0, 16)
         mm16 = rm16 < M
-        # The first layer's q|k|v slice, while the kernel starts.
+        # The first layer's q|k|v slice, while the kernel before (the embedding) finishes.
         _prefetch(wqkv_ptr + pid * R_QKV * DIM, R_QKV * DIM, NPF_QKV, CH, PREFETCH)
+        if PDL:
+            gdc_wait()  # the kernel before has completed and its writes are visible
         for layer in range(L):
             l64 = tl.cast(layer, tl.int64)
             src = res_ptr
@@ -315,12 +333,7 @@ def _kernels():
                 row0 = pid * R_O
                 acc = _rows_dot(priv, KP, wo_ptr + l64 * DIM * (H * HD), row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES,
                                 DOT_F32)
-                rn = row0 + tl.arange(0, BN_O)
-                nm = (tl.arange(0, BN_O) < R_O) & (rn < DIM)
-                om = mm16[:, None] & nm[None, :]
-                r = tl.load(src + rm16[:, None] * DIM + rn[None, :], mask=om, other=0.0, cache_modifier=".cg")
-                y = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-                tl.store(res_ptr + rm16[:, None] * DIM + rn[None, :], y, mask=om)
+                _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
                 if BARRIER:
                     _grid_barrier(cnt_ptr, P)
             # ---- 3: post-attention norm + gate|up rows + SwiGLU
@@ -345,12 +358,7 @@ def _kernels():
             if (only < 0) | (only == 5 * layer + 4):
                 row0 = pid * R_D
                 acc = _rows_dot(act_ptr, I, wd_ptr + l64 * DIM * I, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32)
-                rn = row0 + tl.arange(0, BN_D)
-                nm = (tl.arange(0, BN_D) < R_D) & (rn < DIM)
-                om = mm16[:, None] & nm[None, :]
-                r = tl.load(res_ptr + rm16[:, None] * DIM + rn[None, :], mask=om, other=0.0, cache_modifier=".cg")
-                y = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-                tl.store(res_ptr + rm16[:, None] * DIM + rn[None, :], y, mask=om)
+                _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
                 if layer + 1 < L:
                     _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, R_QKV * DIM, NPF_QKV, CH, PREFETCH)
                 if BARRIER:
@@ -436,58 +444,64 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
           "the stack kernel needs dims that are multiples of 16 and a head dim >= 32")
     kernel = _kernels()
     p = programs or default_programs(x.device)
-    tmax = k_cache.shape[3]
-    chunk = max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(tmax * m * hkv, p)))
-    ns = triton.cdiv(tmax, chunk)
+    gpu = x.is_cuda and not interpret_mode()
+    meta = launch_meta(m, dim, h, hkv, hd, inter, nl, k_cache.shape[3], p, x.element_size(), gpu and prefetch,
+                       x.dtype == torch.float32 or not x.is_cuda)
+    ns = meta["NS"]
     sc = w.scratch.get((p, ns))
     if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
         sc = w.scratch[(p, ns)] = _Scratch(w, MAX_M, ns, p)
     out = torch.empty_like(x)
+    args = (x, out, sc.res, sc.qkv, sc.part, sc.ml, sc.act, sc.priv, sc.counter, w.qkv, w.o, w.gate_up, w.down,
+            w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
+    if gpu:
+        check(p <= default_programs(x.device), f"{p} programs cannot all be resident on {default_programs(x.device)} SMs")
+        use_pdl = pdl(x)
+        kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=_WARPS, num_stages=1, launch_pdl=use_pdl, **meta)
+    else:
+        for ph in range(PHASES * nl + 1):  # the launch boundary is the barrier
+            kernel[(p,)](*args, ph, BARRIER=False, PDL=False, num_warps=_WARPS, num_stages=1, **meta)
+    return out
 
-    def rows(n: int) -> tuple[int, int]:
+
+def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layers: int, tmax: int, p: int,
+                elem: int, prefetch: bool, dot_f32: bool) -> dict:
+    """The kernel's constexprs for M rows of a stack with these shapes on P programs."""
+
+    def rows(n: int) -> tuple[int, int]:  # rows per program, and the tile that holds them
         r = triton.cdiv(n, p)
         return r, max(16, triton.next_power_of_2(r))
 
-    r_qkv, bn_qkv = rows(nqkv)
+    ch = _PF_BYTES // elem
+
+    def npf(n_elems: int) -> int:  # prefetches for n_elems (a power of two, for tl.arange)
+        return max(1, triton.next_power_of_2(triton.cdiv(n_elems, ch)))
+
+    r_qkv, bn_qkv = rows((h + 2 * hkv) * hd)
     r_o, bn_o = rows(dim)
     r_gu, bn_gu = rows(inter)
     r_d, bn_d = rows(dim)
-    elem = x.element_size()
-    ch = _PF_BYTES // elem
-    gpu = x.is_cuda and not interpret_mode()
-    on = gpu and prefetch and elem == 2
-
-    def npf(n_elems: int) -> int:
-        return max(1, triton.next_power_of_2(triton.cdiv(n_elems, ch)))
-
-    g = h // hkv
-    meta = dict(
-        M=m, DIM=dim, H=h, HKV=hkv, HD=hd, I=inter, L=nl, TMAX=tmax, CHUNK=chunk, NS=ns, P=p, KP=sc.kp,
+    # attention splits: ~one (row, kv head, split) item per program over the whole cache
+    chunk = max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(tmax * m * hkv, p)))
+    ns = triton.cdiv(tmax, chunk)
+    bd = min(1024, _pow2_at_most(dim))
+    while dim % bd:
+        bd //= 2
+    return dict(
+        M=m, DIM=dim, H=h, HKV=hkv, HD=hd, I=inter, L=n_layers, TMAX=tmax, CHUNK=chunk, NS=ns, P=p, KP=max(dim, h * hd),
         R_QKV=r_qkv, BN_QKV=bn_qkv, BK_QKV=_block_k(dim, bn_qkv),
         R_O=r_o, BN_O=bn_o, BK_O=_block_k(h * hd, bn_o),
         R_GU=r_gu, BN_GU=bn_gu, BK_GU=_block_k(dim, bn_gu, 4096),
         R_D=r_d, BN_D=bn_d, BK_D=_block_k(inter, bn_d),
-        STAGES=4, BD=min(1024, _pow2_at_most(dim)) if dim % min(1024, _pow2_at_most(dim)) == 0 else 16,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(g)),
+        STAGES=4, BD=bd, BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd), H_B=triton.next_power_of_2(h),
         ITEMS=triton.cdiv(m * hkv * ns, p),
         # a quarter of each gate/up/down slice, all of the q|k|v and o slices, ahead of their phase
         PF_GU=min(64, npf(r_gu * dim // 4)), PF_D=min(64, npf(r_d * inter // 4)),
         NPF_QKV=min(128, npf(r_qkv * dim)), NPF_O=min(128, npf(r_o * h * hd)),
-        CH=ch, BLOCK_KV=_BLOCK_N, PREFETCH=on, DOT_F32=x.dtype == torch.float32 or not x.is_cuda,
+        CH=ch, BLOCK_KV=_BLOCK_N, PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32,
     )
-    dim_ok = dim % meta["BD"] == 0
-    check(dim_ok, f"DIM={dim} must be a multiple of {meta['BD']}")
-    args = (x, out, sc.res, sc.qkv, sc.part, sc.ml, sc.act, sc.priv, sc.counter, w.qkv, w.o, w.gate_up, w.down,
-            w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
-    if gpu:
-        use_pdl = pdl(x)
-        kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=4, num_stages=1, launch_pdl=use_pdl, **meta)
-    else:
-        for ph in range(PHASES * nl + 1):  # the launch boundary is the barrier
-            kernel[(p,)](*args, ph, BARRIER=False, PDL=False, num_warps=4, num_stages=1, **meta)
-    return out
 
 
 def errors(w: StackWeights) -> int:

@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 
 
-def compile_sm90(fn, sig: dict, consts: dict, warps: int = 4, barrier: bool = False) -> None:  # noqa: ANN001
+def compile_sm90(fn, sig: dict, consts: dict, warps: int = 4, barrier: bool = False):  # noqa: ANN001, ANN201
     """Compile the jit'd ``fn`` for sm_90 with programmatic dependent launch: pointer/scalar types
     ``sig`` by argument name (others i32), constexprs ``consts``; assert the cubin exists, the PTX
-    waits on the previous grid (PDL) and, with ``barrier``, holds a block barrier."""
+    waits on the previous grid (PDL) and, with ``barrier``, holds a block barrier. Returns the
+    compiled kernel (``.asm["ptx"]``, ``.metadata``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -27,6 +28,7 @@ def compile_sm90(fn, sig: dict, consts: dict, warps: int = 4, barrier: bool = Fa
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"], fn.fn.__name__
     assert not barrier or "bar.sync" in k.asm["ptx"], fn.fn.__name__  # an in-place state's barrier
+    return k
 
 
 def run_script(script: str, cache_dir: Path) -> None:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from realtime.engines.transformer import KVCache, Transformer, TransformerConfig, use_kernels
+from realtime.engines.transformer import KVCache, Transformer, TransformerConfig
 
 CFG = TransformerConfig(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512,
                         max_seq_len=160, rope_theta=10000.0)
@@ -33,6 +33,15 @@ def _steps(model: Transformer, x: torch.Tensor, prompt: int, stack: bool, progra
     return torch.cat(outs, dim=1).float(), cache.k[:, slots].float(), cache.v[:, slots].float()
 
 
+def _count_stack_calls(monkeypatch) -> list:  # noqa: ANN001
+    """Record each decode_stack call (so a test knows the kernel ran, not the layer loop)."""
+    from realtime.kernels import decode_stack as ds
+
+    calls: list = []
+    monkeypatch.setattr(ds, "decode_stack", lambda *a, f=ds.decode_stack, **kw: calls.append(1) or f(*a, **kw))
+    return calls
+
+
 def _interpreted(monkeypatch) -> None:  # noqa: ANN001
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CUDA present: the @gpu test covers the stack kernel")
@@ -53,9 +62,12 @@ def test_stack_equals_layer_by_layer_on_the_interpreter(monkeypatch, rows: int, 
     model.fuse_projections()
     assert model.enable_decode_stack()
     x = torch.randn(rows, 70, CFG.dim)
+    calls = _count_stack_calls(monkeypatch)
     with torch.no_grad():
         ref, rk, rv = _steps(model, x, 66, stack=False)
+        assert not calls
         out, k, v = _steps(model, x, 66, stack=True, programs=programs)
+    assert len(calls) == 4  # every one-token step
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(k, rk, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(v, rv, rtol=2e-5, atol=2e-5)
@@ -115,3 +127,99 @@ def test_stack_step_replays_from_a_cuda_graph() -> None:
             torch.cuda.synchronize()
             assert torch.equal(out, eager)  # the same position rewritten with the same K/V each time
     assert errors(model.stack) == 0
+
+
+def test_stack_kernel_compiles_for_sm90(tmp_path) -> None:
+    """The one-launch form (grid barriers, L2 prefetches) builds for the H200 at Llama-3.2-1B and
+    CSM depth-decoder shapes, with the barrier's release arrival, its acquire and the prefetches in
+    the PTX, and fits one program per SM (registers and shared memory)."""
+    from sm90 import run_script
+
+    run_script(r'''
+import os, pathlib, re, subprocess, tempfile
+import sm90
+import triton
+from realtime.kernels import decode_stack as ds
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+tmp = tempfile.mkdtemp()
+k = ds._kernels()
+sig = {a: "*bf16" for a in k.arg_names if a.endswith("_ptr")}
+sig.update(part_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i64", pos_ptr="*i64", slots_ptr="*i64", eps="fp32",
+           qk_scale="fp32", sk_l="i64", sk_s="i64", sk_h="i64", sk_t="i64", s_tab="i64")
+# (rows, dim, heads, kv heads, head dim, intermediate, layers, cache)
+for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272), (4, 2048, 32, 8, 64, 8192, 16, 2048),
+                                            (1, 1024, 8, 2, 128, 8192, 4, 32)):
+    meta = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 132, 2, True, False)
+    c = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True}, warps=ds._WARPS)
+    ptx = c.asm["ptx"]
+    assert ptx.count("atom.global.gpu.release.add") == 5, "one arrival per phase"
+    assert ptx.count("atom.global.acquire.gpu.cas") == 5, "the acquire after each wait"
+    assert "cp.async.bulk.prefetch.L2.global" in ptx
+    assert c.metadata.shared <= 200 * 1024
+    # registers: one program per SM must fit, and (nearly) nothing spills (ptxas -v on the PTX)
+    ptx_path = pathlib.Path(tmp, f"s{dim}.ptx")
+    ptx_path.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", str(ptx_path.with_suffix(".cubin"))],
+                       capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+    assert regs * 32 * ds._WARPS <= 65536 and spill <= 64, r.stderr
+print("compiled")
+''', tmp_path)
+
+
+def test_stack_is_opt_in_and_for_one_engine(monkeypatch) -> None:
+    """REALTIME_STACK: off by default; "1" gives it to the first engine that asks; a list names
+    engines; never two engines in one process."""
+    import realtime.engines.transformer as tr
+
+    for value, asks, granted in (("0", ["text", "csm"], [False, False]), ("1", ["csm", "text", "csm"], [True, False, True]),
+                                 ("text", ["csm", "text"], [False, True]), ("csm,text", ["text", "csm"], [True, False])):
+        monkeypatch.setattr(tr, "_STACK", value)
+        monkeypatch.setattr(tr, "_stack_owner", [])
+        assert [tr.stack_enabled(e) for e in asks] == granted, value
+
+
+def test_csm_frames_equal_with_the_stack_on_the_interpreter(monkeypatch, tmp_path) -> None:
+    """CSM's backbone and depth-decoder steps through the stack kernel give the same greedy frames
+    as the layer-by-layer path (fp32, random weights with head dims the kernel takes)."""
+    _interpreted(monkeypatch)
+    transformers = pytest.importorskip("transformers")
+    from realtime.engines.csm import CSM
+
+    k, v = 4, 37
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    depth = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 rope_parameters=rope)
+    cfg = transformers.CsmConfig(
+        num_codebooks=k, vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, rope_parameters=rope, text_vocab_size=300, max_position_embeddings=256, pad_token_id=None,
+        bos_token_id=290, eos_token_id=291, audio_token_id=292, audio_eos_token_id=293, codebook_pad_token_id=v - 1,
+        codebook_eos_token_id=0, attn_implementation="eager",
+        depth_decoder_config=dict(num_codebooks=k, backbone_hidden_size=64, vocab_size=v, max_position_embeddings=k, **depth),
+        codec_config=transformers.MimiConfig(  # part of the HF model; its weights are not ours to load
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
+            codebook_dim=8, codebook_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
+            vector_quantization_hidden_dimension=8, num_quantizers=k, num_semantic_quantizers=1, head_dim=8,
+            upsample_groups=16).to_dict(),
+    )
+    torch.manual_seed(0)
+    hf = transformers.CsmForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # O(1) activations and separated logits (as tests/engines/test_csm.py does)
+        for name, p in hf.named_parameters():
+            if not name.startswith("codec_model."):
+                p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5 * (3 if "head" in name else 1))
+    hf.save_pretrained(tmp_path)
+    ours = CSM.from_pretrained(tmp_path)
+    ours.fuse_projections()
+    assert ours.backbone.enable_decode_stack(programs=3) and ours.depth.enable_decode_stack(programs=2)
+    ids = torch.randint(0, 290, (1, 7))
+    calls = _count_stack_calls(monkeypatch)
+    with_stack = ours.generate_codes(ids, max_frames=6)
+    # per frame: k - 2 one-token depth passes (the first pass takes two positions) and a backbone step
+    assert len(calls) >= 3 * (k - 1)
+    for t in (ours.backbone, ours.depth):
+        t.stack = None
+    plain = ours.generate_codes(ids, max_frames=6)
+    assert with_stack.shape[0] >= 3 and len(set(plain[:, 1].tolist())) > 1
+    torch.testing.assert_close(with_stack, plain, rtol=0, atol=0)
