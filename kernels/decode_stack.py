@@ -44,7 +44,6 @@ __all__ = ["StackWeights", "stack_weights", "decode_stack", "launch_meta", "erro
 MAX_M = 4
 PHASES = 5  # per layer (the kernel spells it 5)
 _BLOCK_N = 64  # keys per attention step
-_PF_BYTES = 4096  # one L2 prefetch
 # 8 warps: at 4 the 1B-shape kernel spills ~1.1 KB a thread (255 registers either way; 8 x 32 x 255
 # is the whole register file, one program per SM, which is what the barrier needs anyway)
 _WARPS = 8
@@ -53,7 +52,7 @@ _SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets
 
 @functools.cache
 def _kernels():
-    global triton, tl, gdc_wait, _grid_barrier, _prefetch, _norm_rows, _rows_dot, _add_residual, _rotate  # the jit'd functions resolve these through module globals
+    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _rows_dot, _add_residual, _rotate  # the jit'd functions resolve these through module globals
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
@@ -79,13 +78,22 @@ def _kernels():
         tl.debug_barrier()
 
     @triton.jit
-    def _prefetch(ptr, n_elems, NPF: tl.constexpr, CH: tl.constexpr, ON: tl.constexpr):
-        # L2 prefetch of up to NPF chunks of CH elements (4 KB) from ptr, within n_elems.
+    def _own(pid, R, N):
+        # how many of the R rows from pid * R are inside the N rows (the last programs may hold none)
+        return tl.maximum(tl.minimum(R, N - pid * R), 0)
+
+    @triton.jit
+    def _prefetch(ptr, n_elems, THREADS: tl.constexpr, ON: tl.constexpr):
+        # L2 prefetch of n_elems elements from ptr: one bulk request per thread (THREADS = the
+        # program's threads, so each element of the arange is one thread's: no request repeats).
         if ON:
-            if n_elems >= CH:
-                offs = tl.minimum(tl.arange(0, NPF) * CH, n_elems - CH)
-                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l",
-                                          [ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+            n = n_elems // 8 * 8  # whole 16-byte units (2-byte elements): the size's required granule
+            per = (tl.cdiv(n, THREADS) + 7) // 8 * 8
+            offs = tl.arange(0, THREADS) * per
+            size = (tl.minimum(tl.maximum(n - offs, 0), per) * 2).to(tl.int32)  # bytes (bf16/fp16)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _norm_rows(src_ptr, w_ptr, dst_ptr, stride_dst, M: tl.constexpr, DIM: tl.constexpr, eps,
@@ -183,8 +191,7 @@ def _kernels():
         R_D: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
         STAGES: tl.constexpr, BD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
         HALF_B: tl.constexpr, HD_B: tl.constexpr, H_B: tl.constexpr, ITEMS: tl.constexpr,
-        PF_GU: tl.constexpr, PF_D: tl.constexpr, NPF_QKV: tl.constexpr, NPF_O: tl.constexpr,
-        CH: tl.constexpr, BLOCK_KV: tl.constexpr,  # elements per L2 prefetch (4 KB); keys per attention step
+        THREADS: tl.constexpr, BLOCK_KV: tl.constexpr,  # the program's threads; keys per attention step
         BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -195,7 +202,9 @@ def _kernels():
         rm16 = tl.arange(0, 16)
         mm16 = rm16 < M
         # The first layer's q|k|v slice, while the kernel before (the embedding) finishes.
-        _prefetch(wqkv_ptr + pid * R_QKV * DIM, R_QKV * DIM, NPF_QKV, CH, PREFETCH)
+        # Prefetched ahead of their phase: all of a program's q|k|v and o slices, a quarter of its
+        # gate, up and down slices (the L2 holds ~50 MB; a layer's gate|up alone is 67 MB at 1B).
+        _prefetch(wqkv_ptr + pid * R_QKV * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS, PREFETCH)
         if PDL:
             gdc_wait()  # the kernel before has completed and its writes are visible
         for layer in range(L):
@@ -214,7 +223,7 @@ def _kernels():
                 nm = (tl.arange(0, BN_QKV) < R_QKV) & (rn < NQKV)
                 tl.store(qkv_ptr + rm16[:, None] * NQKV + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
                          mask=mm16[:, None] & nm[None, :])
-                _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), R_O * H * HD, NPF_O, CH, PREFETCH)
+                _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, PREFETCH)
                 if BARRIER:
                     _grid_barrier(cnt_ptr, P)
             # ---- 1: RoPE, cache write, split attention
@@ -297,8 +306,8 @@ def _kernels():
                             tl.store(part_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None] & dm[None, :])
                             tl.store(ml_ptr + row * 2, m_i, mask=gm)
                             tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
-                _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, R_GU * DIM, PF_GU, CH, PREFETCH)
-                _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, R_GU * DIM, PF_GU, CH, PREFETCH)
+                _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
+                _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 if BARRIER:
                     _grid_barrier(cnt_ptr, P)
             # ---- 2: merge + o rows + residual
@@ -351,7 +360,7 @@ def _kernels():
                 rn = row0 + tl.arange(0, BN_GU)
                 nm = (tl.arange(0, BN_GU) < R_GU) & (rn < I)
                 tl.store(act_ptr + rm16[:, None] * I + rn[None, :], y.to(out_t), mask=mm16[:, None] & nm[None, :])
-                _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, R_D * I, PF_D, CH, PREFETCH)
+                _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, _own(pid, R_D, DIM) * I // 4, THREADS, PREFETCH)
                 if BARRIER:
                     _grid_barrier(cnt_ptr, P)
             # ---- 4: down rows + residual
@@ -360,7 +369,8 @@ def _kernels():
                 acc = _rows_dot(act_ptr, I, wd_ptr + l64 * DIM * I, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32)
                 _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
                 if layer + 1 < L:
-                    _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, R_QKV * DIM, NPF_QKV, CH, PREFETCH)
+                    _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS,
+                              PREFETCH)
                 if BARRIER:
                     _grid_barrier(cnt_ptr, P)
         # ---- the final norm (one program: M rows of DIM)
@@ -473,11 +483,6 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         r = triton.cdiv(n, p)
         return r, max(16, triton.next_power_of_2(r))
 
-    ch = _PF_BYTES // elem
-
-    def npf(n_elems: int) -> int:  # prefetches for n_elems (a power of two, for tl.arange)
-        return max(1, triton.next_power_of_2(triton.cdiv(n_elems, ch)))
-
     r_qkv, bn_qkv = rows((h + 2 * hkv) * hd)
     r_o, bn_o = rows(dim)
     r_gu, bn_gu = rows(inter)
@@ -497,10 +502,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         STAGES=4, BD=bd, BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd), H_B=triton.next_power_of_2(h),
         ITEMS=triton.cdiv(m * hkv * ns, p),
-        # a quarter of each gate/up/down slice, all of the q|k|v and o slices, ahead of their phase
-        PF_GU=min(64, npf(r_gu * dim // 4)), PF_D=min(64, npf(r_d * inter // 4)),
-        NPF_QKV=min(128, npf(r_qkv * dim)), NPF_O=min(128, npf(r_o * h * hd)),
-        CH=ch, BLOCK_KV=_BLOCK_N, PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32,
+        THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32,
     )
 
 
