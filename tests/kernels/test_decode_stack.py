@@ -154,7 +154,8 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
     ptx = c.asm["ptx"]
     assert ptx.count("atom.global.gpu.release.add") == 5, "one arrival per phase"
     assert ptx.count("atom.global.acquire.gpu.cas") == 5, "the acquire after each wait"
-    assert "cp.async.bulk.prefetch.L2.global" in ptx
+    # six prefetch sites, each emitted once: one request per thread, none repeated across threads
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 6
     assert c.metadata.shared <= 200 * 1024
     # registers: one program per SM must fit, and (nearly) nothing spills (ptxas -v on the PTX)
     ptx_path = pathlib.Path(tmp, f"s{dim}.ptx")
