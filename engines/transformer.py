@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
-from realtime.kernels.gemv import MAX_M as GEMV_MAX_M  # plain constant: importing it needs no Triton
+from realtime.kernels.decode_stack import MAX_M as STACK_MAX_M  # plain constants: importing them needs no Triton
+from realtime.kernels.gemv import MAX_M as GEMV_MAX_M
 
-__all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm", "fuse_params", "stack_enabled"]
+__all__ = ["TransformerConfig", "KVCache", "Transformer", "rope_frequencies", "RMSNorm", "fuse_params", "point_params_at",
+           "stack_enabled"]
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,6 @@ def use_kernels(enabled: bool | None = None) -> bool:
 
 
 _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
-_STACK_MAX_M = 4  # kernels.decode_stack.MAX_M (a plain constant: importing it needs no Triton)
 # The one-kernel decode step (kernels/decode_stack.py) per engine: "0" (default until it has been
 # measured on the H200: off), "1" (the first engine of the process that asks gets it), or a comma
 # list of engines ("text", "csm"). One engine at most: two persistent kernels on one GPU at once,
@@ -483,12 +484,18 @@ def fuse_params(params: list[nn.Parameter]) -> Tensor:
     so the fused tensor costs no extra memory and later in-place loads (``copy_``) reach both."""
     with torch.no_grad():
         fused = torch.cat([p.detach() for p in params], dim=0)
-        at = 0
-        for p in params:
-            n = p.shape[0]
-            p.data = fused[at:at + n]
-            at += n
+    point_params_at(params, fused)
     return fused
+
+
+def point_params_at(params: list[nn.Parameter], fused: Tensor) -> None:
+    """Re-point each parameter at its slice of ``fused`` along dim 0, in order (the parameters'
+    values must already be there)."""
+    at = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[at:at + n]
+        at += n
 
 
 class DecoderLayer(nn.Module):
@@ -627,7 +634,7 @@ class Transformer(nn.Module):
         b = x.shape[0]
         cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
         pos = pos.contiguous()  # once here, not in every layer's kernel call
-        if self.stack is not None and b <= _STACK_MAX_M and x.dtype == self.stack.qkv.dtype == cache.dtype:
+        if self.stack is not None and b <= STACK_MAX_M and x.dtype == self.stack.qkv.dtype == cache.dtype:
             from realtime.kernels.decode_stack import decode_stack
 
             h = decode_stack(self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v,
@@ -652,12 +659,12 @@ class Transformer(nn.Module):
         extra memory). False (and nothing changed) where the stack kernel does not apply: no
         kernels, biases, q/k norm, or shapes it does not take. Only one persistent kernel may run
         on a GPU at a time, so only one engine per GPU should enable it."""
+        from realtime.kernels.decode_stack import stack_weights, takes_shapes
+
         cfg = self.cfg
         if not (self._decode_fusable() and _KERNELS and not cfg.attention_bias and not cfg.mlp_bias
-                and cfg.dim % 16 == 0 and cfg.intermediate_size % 16 == 0 and cfg.head_dim >= 32
-                and (cfg.n_heads * cfg.head_dim) % 16 == 0):
+                and takes_shapes(cfg.dim, cfg.intermediate_size, cfg.n_heads, cfg.head_dim)):
             return False
-        from realtime.kernels.decode_stack import stack_weights
 
         if self.stack is None:
             self.stack = stack_weights(self)

@@ -39,10 +39,10 @@ from torch import Tensor
 
 from ._triton import check, interpret_mode, pdl, use_triton
 
-__all__ = ["StackWeights", "stack_weights", "decode_stack", "launch_meta", "errors", "MAX_M", "PHASES"]
+__all__ = ["StackWeights", "stack_weights", "decode_stack", "launch_meta", "takes_shapes", "errors", "MAX_M", "PHASES"]
 
 MAX_M = 4
-PHASES = 5  # per layer (the kernel spells it 5)
+PHASES = 5  # per layer
 _BLOCK_N = 64  # keys per attention step
 # 8 warps: at 4 the 1B-shape kernel spills ~1.1 KB a thread (255 registers either way; 8 x 32 x 255
 # is the whole register file, one program per SM, which is what the barrier needs anyway)
@@ -52,13 +52,14 @@ _SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets
 
 @functools.cache
 def _kernels():
-    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _rows_dot, _add_residual, _rotate  # the jit'd functions resolve these through module globals
+    # the jit'd functions resolve these through module globals
+    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _rows_dot, _add_residual, _rotate
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
 
     @triton.jit
-    def _grid_barrier(cnt_ptr, P: tl.constexpr):
+    def _grid_barrier(cnt_ptr, P: tl.constexpr, SPIN_LIMIT: tl.constexpr):
         # cnt_ptr[0] (int64) only grows: P arrivals per barrier, so barrier j of any launch waits
         # for the next multiple of P above the value it arrived at. cnt_ptr[1]: error flag.
         tl.debug_barrier()  # every thread's stores before the arrival
@@ -66,7 +67,7 @@ def _kernels():
         target = (old // P + 1) * P
         cur = tl.load(cnt_ptr, volatile=True)
         n = 0
-        while (cur < target) & (n < 16777216):  # _SPIN_LIMIT polls
+        while (cur < target) & (n < SPIN_LIMIT):
             cur = tl.load(cnt_ptr, volatile=True)
             n += 1
         # the acquire that orders the reads after the barrier: a compare-and-swap that never swaps
@@ -192,6 +193,7 @@ def _kernels():
         STAGES: tl.constexpr, BD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
         HALF_B: tl.constexpr, HD_B: tl.constexpr, H_B: tl.constexpr, ITEMS: tl.constexpr,
         THREADS: tl.constexpr, BLOCK_KV: tl.constexpr,  # the program's threads; keys per attention step
+        NPH: tl.constexpr, SPIN_LIMIT: tl.constexpr,  # phases a layer (PHASES); barrier polls before giving up
         BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -213,7 +215,7 @@ def _kernels():
             if layer == 0:
                 src = x_ptr
             # ---- 0: input norm + q|k|v rows
-            if (only < 0) | (only == 5 * layer):
+            if (only < 0) | (only == NPH * layer):
                 _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
                 row0 = pid * R_QKV
@@ -225,9 +227,9 @@ def _kernels():
                          mask=mm16[:, None] & nm[None, :])
                 _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
             # ---- 1: RoPE, cache write, split attention
-            if (only < 0) | (only == 5 * layer + 1):
+            if (only < 0) | (only == NPH * layer + 1):
                 dh = tl.arange(0, HALF_B)
                 dmh = dh < HALF
                 d = tl.arange(0, HD_B)
@@ -309,9 +311,9 @@ def _kernels():
                 _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
             # ---- 2: merge + o rows + residual
-            if (only < 0) | (only == 5 * layer + 2):
+            if (only < 0) | (only == NPH * layer + 2):
                 hh = tl.arange(0, H_B)
                 hm = hh < H
                 d = tl.arange(0, HD_B)
@@ -344,9 +346,9 @@ def _kernels():
                                 DOT_F32)
                 _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
             # ---- 3: post-attention norm + gate|up rows + SwiGLU
-            if (only < 0) | (only == 5 * layer + 3):
+            if (only < 0) | (only == NPH * layer + 3):
                 _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
                 row0 = pid * R_GU
@@ -362,9 +364,9 @@ def _kernels():
                 tl.store(act_ptr + rm16[:, None] * I + rn[None, :], y.to(out_t), mask=mm16[:, None] & nm[None, :])
                 _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, _own(pid, R_D, DIM) * I // 4, THREADS, PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
             # ---- 4: down rows + residual
-            if (only < 0) | (only == 5 * layer + 4):
+            if (only < 0) | (only == NPH * layer + 4):
                 row0 = pid * R_D
                 acc = _rows_dot(act_ptr, I, wd_ptr + l64 * DIM * I, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32)
                 _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
@@ -372,9 +374,9 @@ def _kernels():
                     _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS,
                               PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
         # ---- the final norm (one program: M rows of DIM)
-        if (only < 0) | (only == 5 * L):
+        if (only < 0) | (only == NPH * L):
             if pid == 0:
                 _norm_rows(res_ptr, fnorm_ptr, h_ptr, DIM, M, DIM, eps, BLOCK_M, BD)
 
@@ -429,6 +431,11 @@ class _Scratch:
         self.counter = torch.zeros(2, device=dev, dtype=torch.int64)
 
 
+def takes_shapes(dim: int, inter: int, n_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes a stack of these widths (tl.dot tiles of 16; RoPE halves >= 16)."""
+    return dim % 16 == 0 and inter % 16 == 0 and (n_heads * head_dim) % 16 == 0 and head_dim % 2 == 0 and head_dim >= 32
+
+
 def default_programs(device: torch.device) -> int:
     """One program per SM on CUDA; 3 under the interpreter (uneven row splits get exercised)."""
     if device.type == "cuda":
@@ -450,8 +457,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     check(k_cache.shape[0] == nl and k_cache.shape[2] == hkv and k_cache.shape[4] == hd and k_cache.stride() == v_cache.stride()
           and k_cache.shape == v_cache.shape and k_cache.stride(4) == 1, "caches must be [L, S, HKV, TMAX, HD], one layout")
     check(pos.shape == (m,) and slots.shape == (m,) and pos.dtype == slots.dtype == torch.long, "pos, slots: int64 [M]")
-    check(dim % 16 == 0 and inter % 16 == 0 and (h * hd) % 16 == 0 and hd % 2 == 0 and hd >= 32,
-          "the stack kernel needs dims that are multiples of 16 and a head dim >= 32")
+    check(takes_shapes(dim, inter, h, hd), "the stack kernel needs dims that are multiples of 16 and an even head dim >= 32")
     kernel = _kernels()
     p = programs or default_programs(x.device)
     gpu = x.is_cuda and not interpret_mode()
@@ -466,7 +472,8 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
             w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
     if gpu:
-        check(p <= default_programs(x.device), f"{p} programs cannot all be resident on {default_programs(x.device)} SMs")
+        sms = default_programs(x.device)
+        check(p <= sms, f"{p} programs cannot all be resident on {sms} SMs")
         use_pdl = pdl(x)
         kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=_WARPS, num_stages=1, launch_pdl=use_pdl, **meta)
     else:
@@ -478,6 +485,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
 def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layers: int, tmax: int, p: int,
                 elem: int, prefetch: bool, dot_f32: bool) -> dict:
     """The kernel's constexprs for M rows of a stack with these shapes on P programs."""
+    _kernels()  # (binds ``triton``)
 
     def rows(n: int) -> tuple[int, int]:  # rows per program, and the tile that holds them
         r = triton.cdiv(n, p)
@@ -502,7 +510,8 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         STAGES=4, BD=bd, BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd), H_B=triton.next_power_of_2(h),
         ITEMS=triton.cdiv(m * hkv * ns, p),
-        THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32,
+        THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
+        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32,
     )
 
 
@@ -515,59 +524,29 @@ def errors(w: StackWeights) -> int:
 def stack_weights(transformer) -> StackWeights:  # noqa: ANN001
     """Stack a fused ``engines.transformer.Transformer``'s layer weights (layer by layer, so the
     peak is one layer more than the model) and re-point the layers' tensors at the stacked copy."""
+    from realtime.engines.transformer import point_params_at
+
     layers = transformer.layers
     cfg = transformer.cfg
-    first = layers[0]
 
-    def stack(get, set_) -> Tensor:  # noqa: ANN001
-        t0 = get(first)
+    def stack(get, params, buffer: str | None = None) -> Tensor:  # noqa: ANN001
+        # out[i] = get(layer i); the layer's params (and its fused buffer, if any) then point into it
+        t0 = get(layers[0])
         out = torch.empty((len(layers), *t0.shape), device=t0.device, dtype=t0.dtype)
         for i, layer in enumerate(layers):
             with torch.no_grad():
                 out[i].copy_(get(layer))
-            set_(layer, out[i])
+            owner, names = params(layer)
+            if buffer is not None:
+                setattr(owner, buffer, out[i])
+            point_params_at([getattr(owner, n).weight for n in names], out[i])
         return out
 
-    def set_qkv(layer, t) -> None:  # noqa: ANN001
-        att = layer.self_attn
-        att.qkv_weight = t
-        at = 0
-        for proj in (att.q_proj, att.k_proj, att.v_proj):
-            n = proj.weight.shape[0]
-            proj.weight.data = t[at:at + n]
-            at += n
-
-    def set_gu(layer, t) -> None:  # noqa: ANN001
-        mlp = layer.mlp
-        mlp.gate_up_weight = t
-        n = mlp.gate_proj.weight.shape[0]
-        mlp.gate_proj.weight.data = t[:n]
-        mlp.up_proj.weight.data = t[n:]
-
-    def set_param(attr):  # noqa: ANN001, ANN202
-        def set_(layer, t) -> None:  # noqa: ANN001
-            obj = layer
-            *path, name = attr.split(".")
-            for a in path:
-                obj = getattr(obj, a)
-            getattr(obj, name).data = t
-        return set_
-
-    def get_param(attr):  # noqa: ANN001, ANN202
-        def get(layer):  # noqa: ANN001, ANN202
-            obj = layer
-            for a in attr.split("."):
-                obj = getattr(obj, a)
-            return obj.data if isinstance(obj, torch.nn.Parameter) else obj
-        return get
-
-    qkv = stack(lambda layer: layer.self_attn.qkv_weight, set_qkv)
-    o = stack(get_param("self_attn.o_proj.weight"), set_param("self_attn.o_proj.weight"))
-    gu = stack(lambda layer: layer.mlp.gate_up_weight, set_gu)
-    down = stack(get_param("mlp.down_proj.weight"), set_param("mlp.down_proj.weight"))
-    norms = torch.stack([torch.stack([la.input_layernorm.weight.data, la.post_attention_layernorm.weight.data])
-                         for la in layers]).contiguous()
-    for i, la in enumerate(layers):
-        la.input_layernorm.weight.data = norms[i, 0]
-        la.post_attention_layernorm.weight.data = norms[i, 1]
-    return StackWeights(qkv, o, gu, down, norms, transformer.norm.weight.data, cfg.n_heads, cfg.n_kv_heads, cfg.rms_eps)
+    qkv = stack(lambda la: la.self_attn.qkv_weight, lambda la: (la.self_attn, ("q_proj", "k_proj", "v_proj")), "qkv_weight")
+    o = stack(lambda la: la.self_attn.o_proj.weight.data, lambda la: (la.self_attn, ("o_proj",)))
+    gu = stack(lambda la: la.mlp.gate_up_weight, lambda la: (la.mlp, ("gate_proj", "up_proj")), "gate_up_weight")
+    down = stack(lambda la: la.mlp.down_proj.weight.data, lambda la: (la.mlp, ("down_proj",)))
+    norms = stack(lambda la: torch.cat([la.input_layernorm.weight.data, la.post_attention_layernorm.weight.data]),
+                  lambda la: (la, ("input_layernorm", "post_attention_layernorm")))
+    return StackWeights(qkv, o, gu, down, norms.view(len(layers), 2, cfg.dim), transformer.norm.weight.data, cfg.n_heads,
+                        cfg.n_kv_heads, cfg.rms_eps)
