@@ -48,6 +48,7 @@ _BLOCK_N = 64  # keys per attention step
 # is the whole register file, one program per SM, which is what the barrier needs anyway)
 _WARPS = 8
 _SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets the error flag)
+_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D"}  # what decode_stack's ``tune`` may override
 
 
 @functools.cache
@@ -444,9 +445,14 @@ def default_programs(device: torch.device) -> int:
 
 
 def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                 cos: Tensor, sin: Tensor, programs: int | None = None, prefetch: bool = True) -> Tensor:
+                 cos: Tensor, sin: Tensor, programs: int | None = None, prefetch: bool = True,
+                 phases: list[int] | None = None, tune: dict | None = None) -> Tensor:
     """x [M, DIM] (M <= MAX_M), pos/slots [M] int64, caches [L, S, HKV, TMAX, HD], cos/sin [P, HD]
-    -> the final-norm output [M, DIM]; writes each row's K/V at (slot, pos) of every layer."""
+    -> the final-norm output [M, DIM]; writes each row's K/V at (slot, pos) of every layer.
+
+    For probes (bench/stack_probe.py): ``phases`` launches just those phases, one a launch, with no
+    grid barrier (also on the GPU; all of them, in order, compute the step); ``tune`` overrides
+    launch_meta's tile constexprs (STAGES, BK_*)."""
     check(use_triton("decode_stack", x, w.qkv, k_cache), "decode_stack needs CUDA or the interpreter")
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
@@ -463,6 +469,13 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     gpu = x.is_cuda and not interpret_mode()
     meta = launch_meta(m, dim, h, hkv, hd, inter, nl, k_cache.shape[3], p, x.element_size(), gpu and prefetch,
                        x.dtype == torch.float32 or not x.is_cuda)
+    if tune:
+        check(set(tune) <= _TUNABLE, f"tune takes {sorted(_TUNABLE)}")
+        ks = {"BK_QKV": dim, "BK_O": h * hd, "BK_GU": dim, "BK_D": inter}
+        for key, bk in tune.items():
+            check(key == "STAGES" or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
+                  f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
+        meta.update(tune)
     ns = meta["NS"]
     sc = w.scratch.get((p, ns))
     if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
@@ -471,13 +484,13 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     args = (x, out, sc.res, sc.qkv, sc.part, sc.ml, sc.act, sc.priv, sc.counter, w.qkv, w.o, w.gate_up, w.down,
             w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
-    if gpu:
+    if gpu and phases is None:
         sms = default_programs(x.device)
         check(p <= sms, f"{p} programs cannot all be resident on {sms} SMs")
         use_pdl = pdl(x)
         kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=_WARPS, num_stages=1, launch_pdl=use_pdl, **meta)
     else:
-        for ph in range(PHASES * nl + 1):  # the launch boundary is the barrier
+        for ph in range(PHASES * nl + 1) if phases is None else phases:  # the launch boundary is the barrier
             kernel[(p,)](*args, ph, BARRIER=False, PDL=False, num_warps=_WARPS, num_stages=1, **meta)
     return out
 

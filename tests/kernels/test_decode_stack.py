@@ -224,3 +224,39 @@ def test_csm_frames_equal_with_the_stack_on_the_interpreter(monkeypatch, tmp_pat
     plain = ours.generate_codes(ids, max_frames=6)
     assert with_stack.shape[0] >= 3 and len(set(plain[:, 1].tolist())) > 1
     torch.testing.assert_close(with_stack, plain, rtol=0, atol=0)
+
+
+def test_probe_switches_keep_the_step(monkeypatch) -> None:
+    """bench/stack_probe.py's switches: all phases named one by one, and other K-loop depths or K
+    tiles, compute the same step; a tile that does not divide K is refused with a clear error."""
+    _interpreted(monkeypatch)
+    from realtime.kernels import decode_stack as ds
+
+    torch.manual_seed(1)
+    model = Transformer(CFG).eval()
+    model.fuse_projections()
+    assert model.enable_decode_stack()
+    w = model.stack
+    cache = KVCache(CFG, n_slots=2, max_seq_len=CFG.max_seq_len, device="cpu", dtype=torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
+    x = torch.randn(2, CFG.dim)
+    pos = torch.tensor([70, 5])
+    slots = torch.tensor([1, 0])
+    cos, sin = model.rope_table(cache.max_seq_len, torch.float32)
+
+    def run(**kw):  # noqa: ANN003, ANN202
+        k, v = cache.k.clone(), cache.v.clone()
+        return ds.decode_stack(w, x, pos, k, v, slots, cos, sin, programs=3, **kw), k, v
+
+    ref = run()
+    for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32})):
+        for got, want in zip(run(**kw), ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # only the first layer's phases: the second layer's K/V stay as they were
+    _, k, _ = run(phases=list(range(ds.PHASES)))
+    assert torch.equal(k[1], cache.k[1]) and not torch.equal(k[0], cache.k[0])
+    with pytest.raises(ValueError, match="BK_D=24"):
+        run(tune={"BK_D": 24})
+    with pytest.raises(ValueError, match="tune takes"):
+        run(tune={"P": 4})

@@ -1,0 +1,154 @@
+"""Where the one-kernel decode step's time goes (kernels/decode_stack.py), on one GPU.
+
+    python bench/stack_probe.py [--shapes 1b|csm-depth] [--context 264] [--out bench/results/stack_probe.json]
+
+Random bf16 weights (seeded normal, not zeros) of Llama-3.2-1B's stack (or CSM's depth decoder),
+a cache prefilled to --context positions, one row. Each variant is captured in a CUDA graph (10
+steps back to back) and replayed; medians of 15 replays, after warm-up:
+- the layer-by-layer step (the engine's ``_decode`` without the stack), for the ratio;
+- the stack kernel as served (grid barriers, L2 prefetch), with the prefetch off, on half the SMs,
+  and with other K-loop depths (STAGES) and gate|up K tiles;
+- each phase kind alone (the L launches of that phase, no barrier) and an empty launch, so
+  full - sum(phases) is what the barriers and the phase hand-offs cost.
+Each figure is also given as bandwidth: the weight bytes it reads / time, against the measured
+copy bandwidth. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from _common import commit  # bench/ is on sys.path when a script runs
+from text import copy_bandwidth, log
+
+SHAPES = {
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, intermediate_size=8192),
+    "csm-depth": dict(dim=1024, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=128, intermediate_size=8192),
+}
+
+
+def timed(fn, reps: int = 10, rounds: int = 15) -> float:  # noqa: ANN001
+    """Median seconds of one fn() call, fn captured ``reps`` times in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--context", type=int, default=264)
+    ap.add_argument("--out", default="bench/results/stack_probe.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("stack_probe needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from realtime.engines.transformer import KVCache, Transformer, TransformerConfig
+    from realtime.kernels import decode_stack as ds
+
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev, 1024)
+    cfg = TransformerConfig(**SHAPES[args.shapes], max_seq_len=args.context + 8, rope_theta=500000.0)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    model = model.to(dev, torch.bfloat16)
+    model.fuse_projections()
+    assert model.enable_decode_stack(), "the stack kernel does not take these shapes"
+    w = model.stack
+    cache = KVCache(cfg, n_slots=1, max_seq_len=cfg.max_seq_len, device=dev, dtype=torch.bfloat16)
+    slots = torch.zeros(1, dtype=torch.long, device=dev)
+    x = torch.randn(1, args.context, cfg.dim, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(x, torch.arange(args.context, device=dev)[None], cache, slots)
+    step_x = torch.randn(1, cfg.dim, device=dev, dtype=torch.bfloat16)
+    pos = torch.full((1,), args.context, dtype=torch.long, device=dev)
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+    per_kind = [w.qkv[0], None, w.o[0], w.gate_up[0], w.down[0]]  # the bytes each phase kind reads a layer
+    sms = ds.default_programs(dev)
+    log(f"{args.shapes}: {cfg.n_layers} layers, {weight_bytes / 1e9:.3f} GB of layer weights, {sms} SMs, "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s, floor {weight_bytes / bw * 1e6:.1f} us")
+
+    def stack(**kw):  # noqa: ANN003, ANN202
+        return lambda: ds.decode_stack(w, step_x, pos, cache.k, cache.v, slots, cos, sin, **kw)
+
+    rows: list[dict] = []
+
+    def row(name: str, fn, nbytes: int | None) -> None:  # noqa: ANN001
+        t = timed(fn)
+        r = dict(name=name, us=t * 1e6)
+        if nbytes:
+            r["GB_s"] = nbytes / t / 1e9
+            r["of_copy_bw"] = nbytes / t / bw
+        rows.append(r)
+        log(f"{name:<44} {t * 1e6:9.1f} us" + (f"  {r['GB_s']:7.0f} GB/s ({r['of_copy_bw']:.2f} of copy)" if nbytes else ""))
+
+    saved = model.stack
+    model.stack = None
+    row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
+    model.stack = saved
+    row("stack, as served", stack(), weight_bytes)
+    row("stack, no L2 prefetch", stack(prefetch=False), weight_bytes)
+    row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
+    for st in (2, 8):
+        row(f"stack, STAGES={st}", stack(tune={"STAGES": st}), weight_bytes)
+    row("stack, gate|up K tile x2", stack(tune={"BK_GU": min(512, 2 * ds.launch_meta(
+        1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers, cfg.max_seq_len,
+        sms, 2, True, False)["BK_GU"])}), weight_bytes)
+    nl = cfg.n_layers
+    row("all phases, one launch each (no barrier)", stack(phases=list(range(ds.PHASES * nl + 1))), weight_bytes)
+    names = ["norm + qkv", "rope + cache + attention", "merge + o + residual", "norm + gate|up + swiglu",
+             "down + residual"]
+    for k, name in enumerate(names):
+        nbytes = per_kind[k].numel() * 2 * nl if per_kind[k] is not None else None
+        row(f"phase {k} ({name}) x{nl}", stack(phases=[ds.PHASES * l + k for l in range(nl)]), nbytes)
+    row(f"empty launch x{ds.PHASES * nl + 1}", stack(phases=[10 ** 6] * (ds.PHASES * nl + 1)), None)
+    flags = ds.errors(w)
+    log(f"barrier errors: {flags}")
+    by = {r["name"]: r["us"] for r in rows}
+    phase_sum = sum(by[n] for n in by if n.startswith("phase "))
+    served = by["stack, as served"]
+    summary = dict(
+        served_us=served, layer_path_us=by["layer-by-layer (_decode, no stack)"], floor_us=weight_bytes / bw * 1e6,
+        phases_sum_us=phase_sum, barriers_and_handoffs_us=served - phase_sum,
+        launch_overhead_per_phase_us=by[f"empty launch x{ds.PHASES * nl + 1}"] / (ds.PHASES * nl + 1),
+    )
+    log("summary: " + ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(commit=commit(), device=torch.cuda.get_device_name(), shapes=args.shapes,
+                                   context=args.context, copy_bw_GB_s=bw / 1e9, weight_bytes=weight_bytes, rows=rows,
+                                   summary=summary, barrier_errors=flags, date=time.strftime("%Y-%m-%d")), indent=1))
+    log(f"wrote {out}")
+    return 0 if flags == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
