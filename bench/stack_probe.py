@@ -7,7 +7,7 @@ a cache prefilled to --context positions, one row. Each variant is captured in a
 steps back to back) and replayed; medians of 15 replays, after warm-up:
 - the layer-by-layer step (the engine's ``_decode`` without the stack), for the ratio;
 - the stack kernel as served (grid barriers, L2 prefetch), with the prefetch off, on half the SMs,
-  and with other K-loop depths (STAGES) and gate|up K tiles;
+  with gate and up in two K loops (as before 2026-12-05), other K-loop depths (STAGES), K tiles;
 - each phase kind alone (the L launches of that phase, no barrier) and an empty launch, so
   full - sum(phases) is what the barriers and the phase hand-offs cost.
 Each figure is also given as bandwidth: the weight bytes it reads / time, against the measured
@@ -117,11 +117,13 @@ def main() -> int:
     row("stack, as served", stack(), weight_bytes)
     row("stack, no L2 prefetch", stack(prefetch=False), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
-    for st in (2, 8):
-        row(f"stack, STAGES={st}", stack(tune={"STAGES": st}), weight_bytes)
-    row("stack, gate|up K tile x2", stack(tune={"BK_GU": min(512, 2 * ds.launch_meta(
-        1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers, cfg.max_seq_len,
-        sms, 2, True, False)["BK_GU"])}), weight_bytes)
+    base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,
+                          cfg.max_seq_len, sms, 2, True, False)
+    variants = [("gate and up in two K loops", {"GU_ONE_LOOP": False}), ("STAGES=3", {"STAGES": 3}),
+                ("STAGES=6", {"STAGES": 6}), ("gate|up K tile x2, STAGES=3", {"BK_GU": 2 * base["BK_GU"], "STAGES": 3}),
+                ("o and down K tiles / 2", {"BK_O": base["BK_O"] // 2, "BK_D": base["BK_D"] // 2})]
+    for name, tune in variants:
+        row(f"stack, {name}", stack(tune=tune), weight_bytes)
     nl = cfg.n_layers
     row("all phases, one launch each (no barrier)", stack(phases=list(range(ds.PHASES * nl + 1))), weight_bytes)
     names = ["norm + qkv", "rope + cache + attention", "merge + o + residual", "norm + gate|up + swiglu",

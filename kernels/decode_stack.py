@@ -48,13 +48,13 @@ _BLOCK_N = 64  # keys per attention step
 # is the whole register file, one program per SM, which is what the barrier needs anyway)
 _WARPS = 8
 _SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets the error flag)
-_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D"}  # what decode_stack's ``tune`` may override
+_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP"}  # what decode_stack's ``tune`` may override
 
 
 @functools.cache
 def _kernels():
     # the jit'd functions resolve these through module globals
-    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _rows_dot, _add_residual, _rotate
+    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _rows_dot, _rows_dot2, _add_residual, _rotate
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
@@ -140,6 +140,33 @@ def _kernels():
         return acc
 
     @triton.jit
+    def _rows_dot2(x_ptr, stride_x, w_ptr, w2_ptr, row0, R, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+        # _rows_dot for two weights of one shape in ONE K loop (gate and up): twice the bytes in
+        # flight a stage, and one pipeline fill and drain instead of two.
+        rm = tl.arange(0, 16)
+        mm = rm < M
+        rr = tl.arange(0, BN)
+        rn = row0 + rr
+        nm = (rr < R) & (rn < N)
+        offs = rn[:, None].to(tl.int64) * K
+        acc = tl.zeros([16, BN], tl.float32)
+        acc2 = tl.zeros([16, BN], tl.float32)
+        for i in tl.range(0, K // BK, num_stages=STAGES):
+            rk = i * BK + tl.arange(0, BK)
+            w = tl.load(w_ptr + offs + rk[None, :], mask=nm[:, None], other=0.0)
+            w2 = tl.load(w2_ptr + offs + rk[None, :], mask=nm[:, None], other=0.0)
+            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mm[:, None], other=0.0, cache_modifier=".cg")
+            if DOT_F32:
+                xf = x.to(tl.float32)
+                acc += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision="ieee")
+                acc2 += tl.dot(xf, tl.trans(w2.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+                acc2 += tl.dot(x, tl.trans(w2))
+        return acc, acc2
+
+    @triton.jit
     def _add_residual(acc, r_ptr, res_ptr, row0, R, M: tl.constexpr, DIM: tl.constexpr, BN: tl.constexpr):
         # res[0:M, row0 : row0 + R] = r + acc, the product rounded to the residual dtype first and
         # the sum rounded (add_rmsnorm's roundings); r_ptr is res_ptr, or the stack's input.
@@ -196,6 +223,7 @@ def _kernels():
         THREADS: tl.constexpr, BLOCK_KV: tl.constexpr,  # the program's threads; keys per attention step
         NPH: tl.constexpr, SPIN_LIMIT: tl.constexpr,  # phases a layer (PHASES); barrier polls before giving up
         BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+        GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
     ):
         pid = tl.program_id(0)
         NQKV: tl.constexpr = (H + 2 * HKV) * HD
@@ -354,8 +382,12 @@ def _kernels():
                 tl.debug_barrier()
                 row0 = pid * R_GU
                 wg = wgu_ptr + l64 * 2 * I * DIM
-                gacc = _rows_dot(priv, KP, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
-                uacc = _rows_dot(priv, KP, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
+                if GU_ONE_LOOP:
+                    gacc, uacc = _rows_dot2(priv, KP, wg, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES,
+                                            DOT_F32)
+                else:
+                    gacc = _rows_dot(priv, KP, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
+                    uacc = _rows_dot(priv, KP, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
                 out_t = act_ptr.dtype.element_ty
                 gv = gacc.to(out_t).to(tl.float32)
                 sv = (gv / (1.0 + tl.exp(-gv))).to(out_t).to(tl.float32)
@@ -452,7 +484,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
 
     For probes (bench/stack_probe.py): ``phases`` launches just those phases, one a launch, with no
     grid barrier (also on the GPU; all of them, in order, compute the step); ``tune`` overrides
-    launch_meta's tile constexprs (STAGES, BK_*)."""
+    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP)."""
     check(use_triton("decode_stack", x, w.qkv, k_cache), "decode_stack needs CUDA or the interpreter")
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
@@ -473,7 +505,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
         check(set(tune) <= _TUNABLE, f"tune takes {sorted(_TUNABLE)}")
         ks = {"BK_QKV": dim, "BK_O": h * hd, "BK_GU": dim, "BK_D": inter}
         for key, bk in tune.items():
-            check(key == "STAGES" or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
+            check(key in ("STAGES", "GU_ONE_LOOP") or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
         meta.update(tune)
     ns = meta["NS"]
@@ -524,7 +556,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd), H_B=triton.next_power_of_2(h),
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
-        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32,
+        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True,
     )
 
 

@@ -13,18 +13,22 @@ import sys
 from pathlib import Path
 
 
-def compile_sm90(fn, sig: dict, consts: dict, warps: int = 4, barrier: bool = False):  # noqa: ANN001, ANN201
+def compile_sm90(fn, sig: dict, consts: dict, warps: int = 4, barrier: bool = False,  # noqa: ANN001, ANN201
+                 divisible: tuple = ()):
     """Compile the jit'd ``fn`` for sm_90 with programmatic dependent launch: pointer/scalar types
     ``sig`` by argument name (others i32), constexprs ``consts``; assert the cubin exists, the PTX
     waits on the previous grid (PDL) and, with ``barrier``, holds a block barrier. Returns the
-    compiled kernel (``.asm["ptx"]``, ``.metadata``)."""
+    compiled kernel (``.asm["ptx"]``, ``.metadata``). ``divisible`` names the arguments a real
+    launch would specialise as multiples of 16 (aligned pointers, strides): without it the
+    compiler can neither vectorise nor software-pipeline their loads (no cp.async stages)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     consts = {"PDL": True, **consts}  # with the griddepcontrol wait/launch the GPU path uses on sm90
     full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
-    src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = ASTSource(fn, full, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"], fn.fn.__name__
     assert not barrier or "bar.sync" in k.asm["ptx"], fn.fn.__name__  # an in-place state's barrier

@@ -146,12 +146,15 @@ k = ds._kernels()
 sig = {a: "*bf16" for a in k.arg_names if a.endswith("_ptr")}
 sig.update(part_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i64", pos_ptr="*i64", slots_ptr="*i64", eps="fp32",
            qk_scale="fp32", sk_l="i64", sk_s="i64", sk_h="i64", sk_t="i64", s_tab="i64")
+aligned = tuple(a for a in sig if a.endswith("_ptr") or a.startswith("sk_") or a == "s_tab")
 # (rows, dim, heads, kv heads, head dim, intermediate, layers, cache)
 for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272), (4, 2048, 32, 8, 64, 8192, 16, 2048),
                                             (1, 1024, 8, 2, 128, 8192, 4, 32)):
     meta = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 132, 2, True, False)
-    c = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True}, warps=ds._WARPS)
+    # as launched: the tensors' pointers and the cache strides are multiples of 16
+    c = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True}, warps=ds._WARPS, divisible=aligned)
     ptx = c.asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx, "the GEMV K loops are software-pipelined"
     assert ptx.count("atom.global.gpu.release.add") == 5, "one arrival per phase"
     assert ptx.count("atom.global.acquire.gpu.cas") == 5, "the acquire after each wait"
     # six prefetch sites, each emitted once: one request per thread, none repeated across threads
@@ -250,7 +253,8 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
         return ds.decode_stack(w, x, pos, k, v, slots, cos, sin, programs=3, **kw), k, v
 
     ref = run()
-    for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32})):
+    for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32}),
+               dict(tune={"GU_ONE_LOOP": False})):
         for got, want in zip(run(**kw), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # only the first layer's phases: the second layer's K/V stay as they were
