@@ -119,7 +119,7 @@ def main() -> int:
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
     base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,
                           cfg.max_seq_len, sms, 2, True, False)
-    variants = [("gate and up in two K loops", {"GU_ONE_LOOP": False}), ("STAGES=3", {"STAGES": 3}),
+    variants = [("one poller a program", {"ONE_POLLER": True}), ("gate and up in two K loops", {"GU_ONE_LOOP": False}), ("STAGES=3", {"STAGES": 3}),
                 ("STAGES=6", {"STAGES": 6}), ("gate|up K tile x2, STAGES=3", {"BK_GU": 2 * base["BK_GU"], "STAGES": 3}),
                 ("o and down K tiles / 2", {"BK_O": base["BK_O"] // 2, "BK_D": base["BK_D"] // 2})]
     for name, tune in variants:

@@ -48,7 +48,36 @@ _BLOCK_N = 64  # keys per attention step
 # is the whole register file, one program per SM, which is what the barrier needs anyway)
 _WARPS = 8
 _SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets the error flag)
-_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP"}  # what decode_stack's ``tune`` may override
+# The one-poller grid barrier (ONE_POLLER): thread 0 of the program adds its arrival with release
+# semantics, computes the barrier's target (the next multiple of P), polls the counter with acquire
+# loads (at most $3 times) and on a timeout ORs 1 into the error flag at [$1 + 8]. Other threads
+# skip to the end; the block barrier after the asm makes them wait for thread 0 (bar.sync orders
+# their later reads after thread 0's acquire). ${:uid} keeps the labels of the five sites apart.
+_POLL_ASM = """{
+ .reg .pred gbp, gbq;
+ .reg .b32 gbt, gbn;
+ .reg .b64 gbo, gbg, gbc;
+ mov.u32 $0, 0;
+ mov.u32 gbt, %tid.x;
+ setp.ne.u32 gbp, gbt, 0;
+ @gbp bra GB_DONE_${:uid};
+ atom.add.release.gpu.global.u64 gbo, [$1], 1;
+ div.u64 gbg, gbo, $2;
+ add.u64 gbg, gbg, 1;
+ mul.lo.u64 gbg, gbg, $2;
+ mov.u32 gbn, 0;
+GB_POLL_${:uid}:
+ ld.acquire.gpu.global.u64 gbc, [$1];
+ setp.ge.u64 gbq, gbc, gbg;
+ @gbq bra GB_DONE_${:uid};
+ add.u32 gbn, gbn, 1;
+ setp.lt.u32 gbq, gbn, $3;
+ @gbq bra GB_POLL_${:uid};
+ red.global.or.b64 [$1+8], 1;
+ mov.u32 $0, 1;
+GB_DONE_${:uid}:
+}"""
+_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER"}  # what decode_stack's ``tune`` may override
 
 
 @functools.cache
@@ -59,24 +88,35 @@ def _kernels():
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
 
+    globals()["_POLL"] = tl.constexpr(_POLL_ASM)  # a jit function reads only constexpr globals
+
     @triton.jit
-    def _grid_barrier(cnt_ptr, P: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    def _grid_barrier(cnt_ptr, P: tl.constexpr, SPIN_LIMIT: tl.constexpr, ONE_POLLER: tl.constexpr,
+                      THREADS: tl.constexpr):
         # cnt_ptr[0] (int64) only grows: P arrivals per barrier, so barrier j of any launch waits
         # for the next multiple of P above the value it arrived at. cnt_ptr[1]: error flag.
         tl.debug_barrier()  # every thread's stores before the arrival
-        old = tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-        target = (old // P + 1) * P
-        cur = tl.load(cnt_ptr, volatile=True)
-        n = 0
-        while (cur < target) & (n < SPIN_LIMIT):
+        if ONE_POLLER:
+            # thread 0 arrives (release), polls with acquire loads and flags a timeout; the block
+            # barrier after it holds the other threads (132 pollers on the counter's line, not 1,056)
+            t = tl.arange(0, THREADS)
+            tl.inline_asm_elementwise(_POLL, "=r,l,l,r", [cnt_ptr + t * 0, tl.full([THREADS], P, tl.int64),
+                                                             tl.full([THREADS], SPIN_LIMIT, tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            old = tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+            target = (old // P + 1) * P
             cur = tl.load(cnt_ptr, volatile=True)
-            n += 1
-        # the acquire that orders the reads after the barrier: a compare-and-swap that never swaps
-        # (the counter is never -1; an atomic add of 0 is folded away by the compiler)
-        never = tl.cast(-1, tl.int64)
-        cur = tl.atomic_cas(cnt_ptr, never, never, sem="acquire", scope="gpu")
-        if cur < target:
-            tl.atomic_or(cnt_ptr + 1, 1)
+            n = 0
+            while (cur < target) & (n < SPIN_LIMIT):
+                cur = tl.load(cnt_ptr, volatile=True)
+                n += 1
+            # the acquire that orders the reads after the barrier: a compare-and-swap that never swaps
+            # (the counter is never -1; an atomic add of 0 is folded away by the compiler)
+            never = tl.cast(-1, tl.int64)
+            cur = tl.atomic_cas(cnt_ptr, never, never, sem="acquire", scope="gpu")
+            if cur < target:
+                tl.atomic_or(cnt_ptr + 1, 1)
         tl.debug_barrier()
 
     @triton.jit
@@ -224,6 +264,7 @@ def _kernels():
         NPH: tl.constexpr, SPIN_LIMIT: tl.constexpr,  # phases a layer (PHASES); barrier polls before giving up
         BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
         GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
+        ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
     ):
         pid = tl.program_id(0)
         NQKV: tl.constexpr = (H + 2 * HKV) * HD
@@ -256,7 +297,7 @@ def _kernels():
                          mask=mm16[:, None] & nm[None, :])
                 _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             # ---- 1: RoPE, cache write, split attention
             if (only < 0) | (only == NPH * layer + 1):
                 dh = tl.arange(0, HALF_B)
@@ -340,7 +381,7 @@ def _kernels():
                 _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             # ---- 2: merge + o rows + residual
             if (only < 0) | (only == NPH * layer + 2):
                 hh = tl.arange(0, H_B)
@@ -375,7 +416,7 @@ def _kernels():
                                 DOT_F32)
                 _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             # ---- 3: post-attention norm + gate|up rows + SwiGLU
             if (only < 0) | (only == NPH * layer + 3):
                 _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
@@ -397,7 +438,7 @@ def _kernels():
                 tl.store(act_ptr + rm16[:, None] * I + rn[None, :], y.to(out_t), mask=mm16[:, None] & nm[None, :])
                 _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, _own(pid, R_D, DIM) * I // 4, THREADS, PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             # ---- 4: down rows + residual
             if (only < 0) | (only == NPH * layer + 4):
                 row0 = pid * R_D
@@ -407,7 +448,7 @@ def _kernels():
                     _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS,
                               PREFETCH)
                 if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
         # ---- the final norm (one program: M rows of DIM)
         if (only < 0) | (only == NPH * L):
             if pid == 0:
@@ -484,7 +525,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
 
     For probes (bench/stack_probe.py): ``phases`` launches just those phases, one a launch, with no
     grid barrier (also on the GPU; all of them, in order, compute the step); ``tune`` overrides
-    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP)."""
+    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP, ONE_POLLER)."""
     check(use_triton("decode_stack", x, w.qkv, k_cache), "decode_stack needs CUDA or the interpreter")
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
@@ -505,7 +546,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
         check(set(tune) <= _TUNABLE, f"tune takes {sorted(_TUNABLE)}")
         ks = {"BK_QKV": dim, "BK_O": h * hd, "BK_GU": dim, "BK_D": inter}
         for key, bk in tune.items():
-            check(key in ("STAGES", "GU_ONE_LOOP") or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
+            check(key in ("STAGES", "GU_ONE_LOOP", "ONE_POLLER") or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
         meta.update(tune)
     ns = meta["NS"]
@@ -556,7 +597,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd), H_B=triton.next_power_of_2(h),
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
-        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True,
+        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=False,
     )
 
 

@@ -97,6 +97,30 @@ def test_stack_equals_layer_by_layer_on_cuda(dtype: torch.dtype, tol: float, row
 
 
 @pytest.mark.gpu
+def test_one_poller_barrier_gives_the_same_step() -> None:
+    """The barrier polled by one thread a program (ONE_POLLER) computes the step the default
+    barrier does, bit for bit, over repeated launches (the counter keeps growing); no timeouts."""
+    from realtime.kernels import decode_stack as ds
+
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to("cuda", torch.bfloat16)
+    model.fuse_projections()
+    assert model.enable_decode_stack()
+    cache = KVCache(CFG, n_slots=4, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([2, 0, 3], device="cuda")
+    pos = torch.tensor([5, 90, 17], device="cuda")
+    x = torch.randn(3, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    with torch.no_grad():
+        want = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
+        for _ in range(3):
+            got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune={"ONE_POLLER": True})
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+    assert ds.errors(model.stack) == 0
+
+
+@pytest.mark.gpu
 def test_stack_step_replays_from_a_cuda_graph() -> None:
     """The persistent kernel captured in a CUDA graph (its barrier counter keeps growing across
     replays) gives its eager twin's output at each of several replays."""
@@ -160,6 +184,12 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
     # six prefetch sites, each emitted once: one request per thread, none repeated across threads
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == 6
     assert c.metadata.shared <= 200 * 1024
+    if m == 1 and dim == 2048:  # the one-poller barrier: thread 0 arrives and polls, five sites, own labels
+        one = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ONE_POLLER": True}, warps=ds._WARPS,
+                                divisible=aligned).asm["ptx"]
+        assert one.count("atom.add.release.gpu.global.u64") == 5 and one.count("ld.acquire.gpu.global.u64") == 5
+        assert "atom.global.acquire.gpu.cas" not in one and one.count("red.global.or.b64") == 5
+        assert len(set(re.findall(r"GB_POLL_\w+:", one))) == 5
     # registers: one program per SM must fit, and (nearly) nothing spills (ptxas -v on the PTX)
     ptx_path = pathlib.Path(tmp, f"s{dim}.ptx")
     ptx_path.write_text(ptx)
@@ -254,7 +284,7 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
 
     ref = run()
     for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32}),
-               dict(tune={"GU_ONE_LOOP": False})):
+               dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": True})):
         for got, want in zip(run(**kw), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # only the first layer's phases: the second layer's K/V stay as they were
