@@ -23,7 +23,7 @@ if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gp
   if has text; then
     for s in 0 text; do
       echo "== text decode, REALTIME_STACK=$s"
-      REALTIME_STACK=$s timeout "${TEXT_TIMEOUT:-120}" python3 bench/text.py --batches 1 4 --no-hf --profile \
+      REALTIME_STACK=$s timeout "${TEXT_TIMEOUT:-120}" python3 bench/text.py --batches 1 --no-hf --profile \
         --out "$work/text_stack_$s.json" > "$work/text_stack_$s.log" 2>&1
       grep -v "GEMV choice" "$work/text_stack_$s.log" | grep "ours-\|device-only\|floor\|_stack_kernel" \
         | cut -c1-170 | tail -10
@@ -32,7 +32,7 @@ if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gp
   if has csm; then
     for s in 0 csm; do
       echo "== CSM engine, REALTIME_STACK=$s"
-      REALTIME_STACK=$s timeout 200 python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 4 \
+      REALTIME_STACK=$s timeout "${CSM_TIMEOUT:-150}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 \
         --variants graphed_kernels --frames 48 --out "$work/csm_stack_$s.json" > "$work/csm_stack_$s.log" 2>&1
       grep "^\[" "$work/csm_stack_$s.log" | grep -v "GEMV choice" | grep "frames/s\|codes on" | cut -c1-170
     done

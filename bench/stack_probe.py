@@ -6,8 +6,9 @@ Random bf16 weights (seeded normal, not zeros) of Llama-3.2-1B's stack (or CSM's
 a cache prefilled to --context positions, one row. Each variant is captured in a CUDA graph (10
 steps back to back) and replayed; medians of 15 replays, after warm-up:
 - the layer-by-layer step (the engine's ``_decode`` without the stack), for the ratio;
-- the stack kernel as served (grid barriers, L2 prefetch), with the prefetch off, on half the SMs,
-  with gate and up in two K loops (as before 2026-12-05), other K-loop depths (STAGES), K tiles;
+- the stack kernel as served (grid barriers, one poller a program, no L2 prefetch), with the
+  prefetch on, on half the SMs, with every thread polling, with gate and up in two K loops,
+  other K-loop depths (STAGES), K tiles;
 - each phase kind alone (the L launches of that phase, no barrier) and an empty launch, so
   full - sum(phases) is what the barriers and the phase hand-offs cost.
 Each figure is also given as bandwidth: the weight bytes it reads / time, against the measured
@@ -115,12 +116,14 @@ def main() -> int:
     row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
-    row("stack, no L2 prefetch", stack(prefetch=False), weight_bytes)
+    row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
     base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,
-                          cfg.max_seq_len, sms, 2, True, False)
-    variants = [("one poller a program", {"ONE_POLLER": True}), ("gate and up in two K loops", {"GU_ONE_LOOP": False}), ("STAGES=3", {"STAGES": 3}),
-                ("STAGES=6", {"STAGES": 6}), ("gate|up K tile x2, STAGES=3", {"BK_GU": 2 * base["BK_GU"], "STAGES": 3}),
+                          cfg.max_seq_len, sms, 2, False, False)
+    double = {k: 2 * base[k] for k in ("BK_QKV", "BK_O", "BK_GU", "BK_D") if 2 * base[k] <= 512}
+    variants = [("every thread polls the barrier", {"ONE_POLLER": False}),
+                ("gate and up in two K loops", {"GU_ONE_LOOP": False}), ("STAGES=2", {"STAGES": 2}),
+                ("STAGES=3", {"STAGES": 3}), ("STAGES=6", {"STAGES": 6}), ("K tiles x2, STAGES=3", {**double, "STAGES": 3}),
                 ("o and down K tiles / 2", {"BK_O": base["BK_O"] // 2, "BK_D": base["BK_D"] // 2})]
     for name, tune in variants:
         row(f"stack, {name}", stack(tune=tune), weight_bytes)

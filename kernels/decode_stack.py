@@ -7,16 +7,16 @@ them is latency, not bytes, and the HBM idles between them. Here one program run
 and walks the layers through five phases, separated by grid barriers (a monotonic counter):
 
     0  input RMSNorm (each program normalises the rows into its own scratch) + q|k|v GEMV rows
-    1  RoPE, this step's K/V written into the cache, split attention over the cache (partials)
-    2  merge of the partials (per program) + o GEMV rows + residual add
+    1  RoPE, this step's K/V written into the cache, split attention over the cache; the last
+       split of a (row, kv head) to finish merges the partials (a counter per group)
+    2  o GEMV rows (from the merged attention output) + residual add
     3  post-attention RMSNorm + gate|up GEMV rows with SwiGLU
     4  down GEMV rows + residual add
     then the final RMSNorm.
 
 Every GEMV gives each program cdiv(N, P) consecutive rows of the weight (one contiguous slice),
-and while a program waits at a barrier the HBM keeps streaming: before each barrier it asks the
-L2 to prefetch its slice of a later phase's weights (``cp.async.bulk.prefetch.L2``), so after the
-barrier those bytes come from L2.
+and a phase is kept to few dependent trips to memory. An L2 prefetch of a later phase's weights
+before each barrier (``cp.async.bulk.prefetch.L2``) is a switch, off: on the H100 it cost time.
 
 Numerics are the layer-by-layer kernels' (rmsnorm.add_rmsnorm, rotary.rotary_cache_write,
 decode_attention, gemv.swiglu): products accumulated in float32 and rounded to the activation
@@ -44,6 +44,7 @@ __all__ = ["StackWeights", "stack_weights", "decode_stack", "launch_meta", "take
 MAX_M = 4
 PHASES = 5  # per layer
 _BLOCK_N = 64  # keys per attention step
+_MAX_SPLITS = 16  # attention splits of a (row, kv head) at most
 # 8 warps: at 4 the 1B-shape kernel spills ~1.1 KB a thread (255 registers either way; 8 x 32 x 255
 # is the whole register file, one program per SM, which is what the barrier needs anyway)
 _WARPS = 8
@@ -83,7 +84,8 @@ _TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POL
 @functools.cache
 def _kernels():
     # the jit'd functions resolve these through module globals
-    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _rows_dot, _rows_dot2, _add_residual, _rotate
+    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _merge_splits, _rows_dot, _rows_dot2, \
+        _add_residual, _rotate
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
@@ -143,6 +145,15 @@ def _kernels():
         # dst[m] = RMSNorm(src[m]) * w for the M rows (rmsnorm kernel's roundings); dst is private.
         rm = tl.arange(0, BLOCK_M)
         mm = rm < M
+        if BD == DIM:  # one chunk: the rows are read once
+            cols = tl.arange(0, BD)
+            w = tl.load(w_ptr + cols).to(tl.float32)
+            x = tl.load(src_ptr + rm[:, None] * DIM + cols[None, :], mask=mm[:, None], other=0.0, cache_modifier=".cg")
+            h = x.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(h * h, axis=1) / DIM + eps)
+            y = (h * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
+            tl.store(dst_ptr + rm[:, None] * stride_dst + cols[None, :], y.to(x.dtype), mask=mm[:, None])
+            return
         ss = tl.zeros([BLOCK_M], tl.float32)
         for c in range(DIM // BD):
             cols = c * BD + tl.arange(0, BD)
@@ -156,6 +167,26 @@ def _kernels():
             w = tl.load(w_ptr + cols).to(tl.float32)
             y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
             tl.store(dst_ptr + rm[:, None] * stride_dst + cols[None, :], y.to(x.dtype), mask=mm[:, None])
+
+    @triton.jit
+    def _merge_splits(part_ptr, ml_ptr, attn_ptr, m, kvh, length, H: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
+                      NS: tl.constexpr, CHUNK: tl.constexpr, NS_B: tl.constexpr, HD_B: tl.constexpr):
+        # attn[m, head] = sum_s 2^(max_s - max) o_s / sum_s 2^(max_s - max) l_s over the splits that
+        # hold keys, for the kv head's G query heads; each head's loads are issued at once.
+        s = tl.arange(0, NS_B)
+        sm = (s < NS) & (s * CHUNK < length)
+        d = tl.arange(0, HD_B)
+        dm = d < HD
+        for g in tl.static_range(G):
+            r = (m * H + kvh * G + g) * NS + s
+            ms = tl.load(ml_ptr + r * 2, mask=sm, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(ml_ptr + r * 2 + 1, mask=sm, other=0.0, cache_modifier=".cg")
+            a = tl.load(part_ptr + r[:, None] * HD + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0,
+                        cache_modifier=".cg")
+            w = tl.where(sm, tl.exp2(ms - tl.max(ms, axis=0)), 0.0)
+            den = tl.sum(ls * w, axis=0)
+            out = tl.sum(a * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+            tl.store(attn_ptr + m * (H * HD) + (kvh * G + g) * HD + d, out.to(attn_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
     def _rows_dot(x_ptr, stride_x, w_ptr, row0, R, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -234,11 +265,12 @@ def _kernels():
         h_ptr,  # *h [M, DIM] output: the final RMSNorm of the residual
         res_ptr,  # *residual scratch [M, DIM]
         qkv_ptr,  # *q|k|v scratch [M, (H + 2 HKV) HD]
+        attn_ptr,  # *attention output [M, H HD] (merged)
         part_ptr,  # *attention partials [M, H, NS, HD] float32
         ml_ptr,  # *(max in log2 units, sum p) [M, H, NS, 2] float32
         act_ptr,  # *SwiGLU output scratch [M, I]
-        priv_ptr,  # *per-program input rows [P, M, KP] (the normalised or merged row a GEMV reads)
-        cnt_ptr,  # *int64 [2]: barrier counter, error flag
+        priv_ptr,  # *per-program input rows [P, M, KP] (the normalised row a GEMV reads)
+        cnt_ptr,  # *int64 [2 + M HKV]: barrier counter, error flag, a split counter per (row, kv head)
         wqkv_ptr,  # *[L, (H + 2 HKV) HD, DIM]
         wo_ptr,  # *[L, DIM, H HD]
         wgu_ptr,  # *[L, 2 I, DIM] (gate rows, then up rows)
@@ -258,8 +290,8 @@ def _kernels():
         R_O: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
         R_GU: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
         R_D: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
-        STAGES: tl.constexpr, BD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-        HALF_B: tl.constexpr, HD_B: tl.constexpr, H_B: tl.constexpr, ITEMS: tl.constexpr,
+        STAGES: tl.constexpr, BD: tl.constexpr, NS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+        HALF_B: tl.constexpr, HD_B: tl.constexpr, ITEMS: tl.constexpr,
         THREADS: tl.constexpr, BLOCK_KV: tl.constexpr,  # the program's threads; keys per attention step
         NPH: tl.constexpr, SPIN_LIMIT: tl.constexpr,  # phases a layer (PHASES); barrier polls before giving up
         BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
@@ -374,45 +406,31 @@ def _kernels():
                                     else:
                                         o = o * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
                                     m_i = m_new
-                            row = (m * H + heads) * NS + sp
-                            tl.store(part_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None] & dm[None, :])
-                            tl.store(ml_ptr + row * 2, m_i, mask=gm)
-                            tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+                            if NS == 1:  # one split: the attention output itself
+                                out = o / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                                tl.store(attn_ptr + m * (H * HD) + heads[:, None] * HD + d[None, :],
+                                         out.to(attn_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+                            else:
+                                row = (m * H + heads) * NS + sp
+                                tl.store(part_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None] & dm[None, :])
+                                tl.store(ml_ptr + row * 2, m_i, mask=gm)
+                                tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+                        if NS > 1:
+                            # The last of the (row, kv head)'s NS splits to finish merges them: a
+                            # counter per group that only grows (NS arrivals a layer), so no reset.
+                            tl.debug_barrier()  # every thread's partial stores before the arrival
+                            done = tl.atomic_add(cnt_ptr + 2 + m * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+                            if done % NS == NS - 1:
+                                _merge_splits(part_ptr, ml_ptr, attn_ptr, m, kvh, length, H, G, HD, NS, CHUNK, NS_B,
+                                              HD_B)
                 _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 if BARRIER:
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
-            # ---- 2: merge + o rows + residual
+            # ---- 2: o rows (from the merged attention output) + residual
             if (only < 0) | (only == NPH * layer + 2):
-                hh = tl.arange(0, H_B)
-                hm = hh < H
-                d = tl.arange(0, HD_B)
-                dm = d < HD
-                for m in range(M):
-                    length = tl.minimum(tl.load(pos_ptr + m) + 1, TMAX)
-                    mx = tl.full([H_B], float("-inf"), tl.float32)
-                    for sp in range(NS):
-                        if sp * CHUNK < length:
-                            mx = tl.maximum(mx, tl.load(ml_ptr + ((m * H + hh) * NS + sp) * 2, mask=hm,
-                                                        other=float("-inf"), cache_modifier=".cg"))
-                    num = tl.zeros([H_B, HD_B], tl.float32)
-                    den = tl.zeros([H_B], tl.float32)
-                    for sp in range(NS):
-                        if sp * CHUNK < length:
-                            r = (m * H + hh) * NS + sp
-                            ms = tl.load(ml_ptr + r * 2, mask=hm, other=float("-inf"), cache_modifier=".cg")
-                            ls = tl.load(ml_ptr + r * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
-                            w = tl.where(ms > float("-inf"), tl.exp2(ms - mx), 0.0)
-                            a = tl.load(part_ptr + r[:, None] * HD + d[None, :], mask=hm[:, None] & dm[None, :],
-                                        other=0.0, cache_modifier=".cg")
-                            num += a * w[:, None]
-                            den += ls * w
-                    out = num / tl.where(den > 0, den, 1.0)[:, None]
-                    tl.store(priv + m * KP + hh[:, None] * HD + d[None, :], out.to(priv_ptr.dtype.element_ty),
-                             mask=hm[:, None] & dm[None, :])
-                tl.debug_barrier()
                 row0 = pid * R_O
-                acc = _rows_dot(priv, KP, wo_ptr + l64 * DIM * (H * HD), row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES,
+                acc = _rows_dot(attn_ptr, H * HD, wo_ptr + l64 * DIM * (H * HD), row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES,
                                 DOT_F32)
                 _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
                 if BARRIER:
@@ -497,12 +515,12 @@ class _Scratch:
         dev, dt = w.qkv.device, w.qkv.dtype
         self.res = torch.empty((m, dim), device=dev, dtype=dt)
         self.qkv = torch.empty((m, w.qkv.shape[1]), device=dev, dtype=dt)
+        self.attn = torch.empty((m, w.n_heads * hd), device=dev, dtype=dt)
         self.part = torch.empty((m, w.n_heads, ns, hd), device=dev, dtype=torch.float32)
         self.ml = torch.empty((m, w.n_heads, ns, 2), device=dev, dtype=torch.float32)
         self.act = torch.empty((m, inter), device=dev, dtype=dt)
-        self.kp = max(dim, w.n_heads * hd)
-        self.priv = torch.empty((programs, m, self.kp), device=dev, dtype=dt)
-        self.counter = torch.zeros(2, device=dev, dtype=torch.int64)
+        self.priv = torch.empty((programs, m, dim), device=dev, dtype=dt)
+        self.counter = torch.zeros(2 + m * w.n_kv_heads, device=dev, dtype=torch.int64)
 
 
 def takes_shapes(dim: int, inter: int, n_heads: int, head_dim: int) -> bool:
@@ -518,7 +536,7 @@ def default_programs(device: torch.device) -> int:
 
 
 def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                 cos: Tensor, sin: Tensor, programs: int | None = None, prefetch: bool = True,
+                 cos: Tensor, sin: Tensor, programs: int | None = None, prefetch: bool = False,
                  phases: list[int] | None = None, tune: dict | None = None) -> Tensor:
     """x [M, DIM] (M <= MAX_M), pos/slots [M] int64, caches [L, S, HKV, TMAX, HD], cos/sin [P, HD]
     -> the final-norm output [M, DIM]; writes each row's K/V at (slot, pos) of every layer.
@@ -554,7 +572,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
         sc = w.scratch[(p, ns)] = _Scratch(w, MAX_M, ns, p)
     out = torch.empty_like(x)
-    args = (x, out, sc.res, sc.qkv, sc.part, sc.ml, sc.act, sc.priv, sc.counter, w.qkv, w.o, w.gate_up, w.down,
+    args = (x, out, sc.res, sc.qkv, sc.attn, sc.part, sc.ml, sc.act, sc.priv, sc.counter, w.qkv, w.o, w.gate_up, w.down,
             w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
     if gpu and phases is None:
@@ -582,22 +600,24 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
     r_gu, bn_gu = rows(inter)
     r_d, bn_d = rows(dim)
     # attention splits: ~one (row, kv head, split) item per program over the whole cache
-    chunk = max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(tmax * m * hkv, p)))
+    # (at most _MAX_SPLITS: the merge loads a row's splits at once)
+    chunk = max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(tmax * m * hkv, p)),
+                triton.next_power_of_2(triton.cdiv(tmax, _MAX_SPLITS)))
     ns = triton.cdiv(tmax, chunk)
-    bd = min(1024, _pow2_at_most(dim))
+    bd = min(4096, _pow2_at_most(dim))
     while dim % bd:
         bd //= 2
     return dict(
-        M=m, DIM=dim, H=h, HKV=hkv, HD=hd, I=inter, L=n_layers, TMAX=tmax, CHUNK=chunk, NS=ns, P=p, KP=max(dim, h * hd),
+        M=m, DIM=dim, H=h, HKV=hkv, HD=hd, I=inter, L=n_layers, TMAX=tmax, CHUNK=chunk, NS=ns, NS_B=triton.next_power_of_2(ns), P=p, KP=dim,
         R_QKV=r_qkv, BN_QKV=bn_qkv, BK_QKV=_block_k(dim, bn_qkv),
         R_O=r_o, BN_O=bn_o, BK_O=_block_k(h * hd, bn_o),
         R_GU=r_gu, BN_GU=bn_gu, BK_GU=_block_k(dim, bn_gu, 4096),
         R_D=r_d, BN_D=bn_d, BK_D=_block_k(inter, bn_d),
         STAGES=4, BD=bd, BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
-        HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd), H_B=triton.next_power_of_2(h),
+        HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd),
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
-        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=False,
+        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True,
     )
 
 

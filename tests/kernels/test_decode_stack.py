@@ -97,9 +97,9 @@ def test_stack_equals_layer_by_layer_on_cuda(dtype: torch.dtype, tol: float, row
 
 
 @pytest.mark.gpu
-def test_one_poller_barrier_gives_the_same_step() -> None:
-    """The barrier polled by one thread a program (ONE_POLLER) computes the step the default
-    barrier does, bit for bit, over repeated launches (the counter keeps growing); no timeouts."""
+def test_both_barriers_give_the_same_step() -> None:
+    """The barrier polled by every thread (ONE_POLLER off) computes the step the default one-poller
+    barrier does, bit for bit, over repeated launches (the counters keep growing); no timeouts."""
     from realtime.kernels import decode_stack as ds
 
     torch.manual_seed(0)
@@ -114,7 +114,7 @@ def test_one_poller_barrier_gives_the_same_step() -> None:
     with torch.no_grad():
         want = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
         for _ in range(3):
-            got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune={"ONE_POLLER": True})
+            got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune={"ONE_POLLER": False})
             torch.cuda.synchronize()
             assert torch.equal(got, want)
     assert ds.errors(model.stack) == 0
@@ -174,22 +174,25 @@ aligned = tuple(a for a in sig if a.endswith("_ptr") or a.startswith("sk_") or a
 # (rows, dim, heads, kv heads, head dim, intermediate, layers, cache)
 for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272), (4, 2048, 32, 8, 64, 8192, 16, 2048),
                                             (1, 1024, 8, 2, 128, 8192, 4, 32)):
-    meta = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 132, 2, True, False)
+    meta = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 132, 2, True, False)  # (prefetch on: its PTX is checked)
     # as launched: the tensors' pointers and the cache strides are multiples of 16
     c = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True}, warps=ds._WARPS, divisible=aligned)
     ptx = c.asm["ptx"]
     assert "cp.async.cg.shared.global" in ptx, "the GEMV K loops are software-pipelined"
-    assert ptx.count("atom.global.gpu.release.add") == 5, "one arrival per phase"
-    assert ptx.count("atom.global.acquire.gpu.cas") == 5, "the acquire after each wait"
+    # the grid barrier (one poller a program, the default): thread 0 arrives and polls, five sites, own labels
+    assert ptx.count("atom.add.release.gpu.global.u64") == 5 and ptx.count("ld.acquire.gpu.global.u64") == 5
+    assert ptx.count("red.global.or.b64") == 5 and len(set(re.findall(r"GB_POLL_\w+:", ptx))) == 5
+    # the split counter whose last arrival merges a (row, kv head)'s attention partials
+    assert (ptx.count("atom.global.gpu.acq_rel.add") == 1) == (meta["NS"] > 1)
     # six prefetch sites, each emitted once: one request per thread, none repeated across threads
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == 6
     assert c.metadata.shared <= 200 * 1024
-    if m == 1 and dim == 2048:  # the one-poller barrier: thread 0 arrives and polls, five sites, own labels
-        one = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ONE_POLLER": True}, warps=ds._WARPS,
-                                divisible=aligned).asm["ptx"]
-        assert one.count("atom.add.release.gpu.global.u64") == 5 and one.count("ld.acquire.gpu.global.u64") == 5
-        assert "atom.global.acquire.gpu.cas" not in one and one.count("red.global.or.b64") == 5
-        assert len(set(re.findall(r"GB_POLL_\w+:", one))) == 5
+    if m == 1 and dim == 2048:  # the barrier polled by every thread: a release add, polls, an acquire CAS
+        every = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ONE_POLLER": False}, warps=ds._WARPS,
+                                  divisible=aligned).asm["ptx"]
+        assert every.count("atom.global.gpu.release.add") == 5, "one arrival per phase"
+        assert every.count("atom.global.acquire.gpu.cas") == 5, "the acquire after each wait"
+        assert "GB_POLL_" not in every
     # registers: one program per SM must fit, and (nearly) nothing spills (ptxas -v on the PTX)
     ptx_path = pathlib.Path(tmp, f"s{dim}.ptx")
     ptx_path.write_text(ptx)
@@ -284,7 +287,7 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
 
     ref = run()
     for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32}),
-               dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": True})):
+               dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": False}), dict(prefetch=True)):
         for got, want in zip(run(**kw), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # only the first layer's phases: the second layer's K/V stay as they were
