@@ -7,7 +7,7 @@ a cache prefilled to --context positions, one row. Each variant is captured in a
 steps back to back) and replayed; medians of 15 replays, after warm-up:
 - the layer-by-layer step (the engine's ``_decode`` without the stack), for the ratio;
 - the stack kernel as served (grid barriers, one poller a program, no L2 prefetch), with the
-  prefetch on, on half the SMs, with every thread polling, with gate and up in two K loops,
+  prefetch on, on half the SMs, with the first weight tiles loaded before the barriers, with every thread polling, with gate and up in two K loops,
   other K-loop depths (STAGES), K tiles;
 - each phase kind alone (the L launches of that phase, no barrier) and an empty launch, so
   full - sum(phases) is what the barriers and the phase hand-offs cost.
@@ -121,7 +121,8 @@ def main() -> int:
     base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,
                           cfg.max_seq_len, sms, 2, False, False)
     double = {k: 2 * base[k] for k in ("BK_QKV", "BK_O", "BK_GU", "BK_D") if 2 * base[k] <= 512}
-    variants = [("every thread polls the barrier", {"ONE_POLLER": False}),
+    variants = [("first weight tiles ahead of the barriers", {"EARLY": 1}),
+                ("every thread polls the barrier", {"ONE_POLLER": False}),
                 ("gate and up in two K loops", {"GU_ONE_LOOP": False}), ("STAGES=2", {"STAGES": 2}),
                 ("STAGES=3", {"STAGES": 3}), ("STAGES=6", {"STAGES": 6}), ("K tiles x2, STAGES=3", {**double, "STAGES": 3}),
                 ("o and down K tiles / 2", {"BK_O": base["BK_O"] // 2, "BK_D": base["BK_D"] // 2})]

@@ -78,14 +78,14 @@ GB_POLL_${:uid}:
  mov.u32 $0, 1;
 GB_DONE_${:uid}:
 }"""
-_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER"}  # what decode_stack's ``tune`` may override
+_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY"}  # what decode_stack's ``tune`` may override
 
 
 @functools.cache
 def _kernels():
     # the jit'd functions resolve these through module globals
-    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _merge_splits, _rows_dot, _rows_dot2, \
-        _add_residual, _rotate
+    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _merge_splits, _tile0, _dot_acc, \
+        _rows_dot, _rows_dot2, _add_residual, _rotate
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
@@ -189,10 +189,27 @@ def _kernels():
             tl.store(attn_ptr + m * (H * HD) + (kvh * G + g) * HD + d, out.to(attn_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
+    def _tile0(w_ptr, row0, R, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # The first K step's weight tile [BN, BK] of the rows [row0, row0 + R): loaded ahead (EARLY),
+        # before the grid barrier that the product's input waits for (weights need no barrier).
+        rr = tl.arange(0, BN)
+        rn = row0 + rr
+        nm = (rr < R) & (rn < N)
+        return tl.load(w_ptr + rn[:, None].to(tl.int64) * K + tl.arange(0, BK)[None, :], mask=nm[:, None], other=0.0)
+
+    @triton.jit
+    def _dot_acc(acc, x, w, DOT_F32: tl.constexpr):
+        # acc [16, BN] += x [16, BK] @ w [BN, BK].T
+        if DOT_F32:
+            return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        return acc + tl.dot(x, tl.trans(w))
+
+    @triton.jit
     def _rows_dot(x_ptr, stride_x, w_ptr, row0, R, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+                  STAGES: tl.constexpr, DOT_F32: tl.constexpr, w0, EARLY: tl.constexpr):
         # acc [16, BN] = x[0:M] (row stride stride_x) @ w[row0 : row0 + R].T: rows padded to 16 for tl.dot,
-        # the K loop software-pipelined (STAGES tiles in flight).
+        # the K loop software-pipelined (STAGES tiles in flight). EARLY (0 or 1): w0 is the first
+        # K step's tile, already loaded (_tile0), and the loop starts at the second.
         rm = tl.arange(0, 16)
         mm = rm < M
         rr = tl.arange(0, BN)
@@ -200,19 +217,20 @@ def _kernels():
         nm = (rr < R) & (rn < N)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * K
         acc = tl.zeros([16, BN], tl.float32)
-        for i in tl.range(0, K // BK, num_stages=STAGES):
+        if EARLY:
+            x = tl.load(x_ptr + rm[:, None] * stride_x + tl.arange(0, BK)[None, :], mask=mm[:, None], other=0.0,
+                        cache_modifier=".cg")
+            acc = _dot_acc(acc, x, w0, DOT_F32)
+        for i in tl.range(EARLY, K // BK, num_stages=STAGES):
             rk = i * BK + tl.arange(0, BK)
             w = tl.load(w_rows + rk[None, :], mask=nm[:, None], other=0.0)
             x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mm[:, None], other=0.0, cache_modifier=".cg")
-            if DOT_F32:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            acc = _dot_acc(acc, x, w, DOT_F32)
         return acc
 
     @triton.jit
     def _rows_dot2(x_ptr, stride_x, w_ptr, w2_ptr, row0, R, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+                   BK: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr, w0, w20, EARLY: tl.constexpr):
         # _rows_dot for two weights of one shape in ONE K loop (gate and up): twice the bytes in
         # flight a stage, and one pipeline fill and drain instead of two.
         rm = tl.arange(0, 16)
@@ -223,18 +241,18 @@ def _kernels():
         offs = rn[:, None].to(tl.int64) * K
         acc = tl.zeros([16, BN], tl.float32)
         acc2 = tl.zeros([16, BN], tl.float32)
-        for i in tl.range(0, K // BK, num_stages=STAGES):
+        if EARLY:
+            x = tl.load(x_ptr + rm[:, None] * stride_x + tl.arange(0, BK)[None, :], mask=mm[:, None], other=0.0,
+                        cache_modifier=".cg")
+            acc = _dot_acc(acc, x, w0, DOT_F32)
+            acc2 = _dot_acc(acc2, x, w20, DOT_F32)
+        for i in tl.range(EARLY, K // BK, num_stages=STAGES):
             rk = i * BK + tl.arange(0, BK)
             w = tl.load(w_ptr + offs + rk[None, :], mask=nm[:, None], other=0.0)
             w2 = tl.load(w2_ptr + offs + rk[None, :], mask=nm[:, None], other=0.0)
             x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mm[:, None], other=0.0, cache_modifier=".cg")
-            if DOT_F32:
-                xf = x.to(tl.float32)
-                acc += tl.dot(xf, tl.trans(w.to(tl.float32)), input_precision="ieee")
-                acc2 += tl.dot(xf, tl.trans(w2.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-                acc2 += tl.dot(x, tl.trans(w2))
+            acc = _dot_acc(acc, x, w, DOT_F32)
+            acc2 = _dot_acc(acc2, x, w2, DOT_F32)
         return acc, acc2
 
     @triton.jit
@@ -296,6 +314,7 @@ def _kernels():
         NPH: tl.constexpr, SPIN_LIMIT: tl.constexpr,  # phases a layer (PHASES); barrier polls before giving up
         BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
         GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
+        EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
     ):
         pid = tl.program_id(0)
@@ -318,20 +337,24 @@ def _kernels():
                 src = x_ptr
             # ---- 0: input norm + q|k|v rows
             if (only < 0) | (only == NPH * layer):
+                row0 = pid * R_QKV
+                wq = wqkv_ptr + l64 * NQKV * DIM
+                w0 = _tile0(wq, row0, R_QKV, NQKV, DIM, BN_QKV, BK_QKV) if EARLY else 0
+                if BARRIER:
+                    if layer > 0:  # the previous layer's down rows
+                        _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
                 _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
-                row0 = pid * R_QKV
-                acc = _rows_dot(priv, KP, wqkv_ptr + l64 * NQKV * DIM, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV,
-                                STAGES, DOT_F32)
+                acc = _rows_dot(priv, KP, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY)
                 rn = row0 + tl.arange(0, BN_QKV)
                 nm = (tl.arange(0, BN_QKV) < R_QKV) & (rn < NQKV)
                 tl.store(qkv_ptr + rm16[:, None] * NQKV + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
                          mask=mm16[:, None] & nm[None, :])
                 _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, PREFETCH)
-                if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             # ---- 1: RoPE, cache write, split attention
             if (only < 0) | (only == NPH * layer + 1):
+                if BARRIER:  # q|k|v
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
                 dh = tl.arange(0, HALF_B)
                 dmh = dh < HALF
                 d = tl.arange(0, HD_B)
@@ -425,28 +448,32 @@ def _kernels():
                                               HD_B)
                 _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
-                if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             # ---- 2: o rows (from the merged attention output) + residual
             if (only < 0) | (only == NPH * layer + 2):
                 row0 = pid * R_O
-                acc = _rows_dot(attn_ptr, H * HD, wo_ptr + l64 * DIM * (H * HD), row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES,
-                                DOT_F32)
-                _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
-                if BARRIER:
+                wo = wo_ptr + l64 * DIM * (H * HD)
+                w0 = _tile0(wo, row0, R_O, DIM, H * HD, BN_O, BK_O) if EARLY else 0
+                if BARRIER:  # the attention output
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                acc = _rows_dot(attn_ptr, H * HD, wo, row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES, DOT_F32, w0, EARLY)
+                _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
             # ---- 3: post-attention norm + gate|up rows + SwiGLU
             if (only < 0) | (only == NPH * layer + 3):
-                _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
-                tl.debug_barrier()
                 row0 = pid * R_GU
                 wg = wgu_ptr + l64 * 2 * I * DIM
+                w0 = _tile0(wg, row0, R_GU, I, DIM, BN_GU, BK_GU) if EARLY else 0
+                w20 = _tile0(wg + I * DIM, row0, R_GU, I, DIM, BN_GU, BK_GU) if EARLY else 0
+                if BARRIER:  # the residual after attention
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
+                tl.debug_barrier()
                 if GU_ONE_LOOP:
                     gacc, uacc = _rows_dot2(priv, KP, wg, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES,
-                                            DOT_F32)
+                                            DOT_F32, w0, w20, EARLY)
                 else:
-                    gacc = _rows_dot(priv, KP, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
-                    uacc = _rows_dot(priv, KP, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32)
+                    gacc = _rows_dot(priv, KP, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w0, EARLY)
+                    uacc = _rows_dot(priv, KP, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w20,
+                                     EARLY)
                 out_t = act_ptr.dtype.element_ty
                 gv = gacc.to(out_t).to(tl.float32)
                 sv = (gv / (1.0 + tl.exp(-gv))).to(out_t).to(tl.float32)
@@ -455,20 +482,22 @@ def _kernels():
                 nm = (tl.arange(0, BN_GU) < R_GU) & (rn < I)
                 tl.store(act_ptr + rm16[:, None] * I + rn[None, :], y.to(out_t), mask=mm16[:, None] & nm[None, :])
                 _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, _own(pid, R_D, DIM) * I // 4, THREADS, PREFETCH)
-                if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             # ---- 4: down rows + residual
             if (only < 0) | (only == NPH * layer + 4):
                 row0 = pid * R_D
-                acc = _rows_dot(act_ptr, I, wd_ptr + l64 * DIM * I, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32)
+                wd = wd_ptr + l64 * DIM * I
+                w0 = _tile0(wd, row0, R_D, DIM, I, BN_D, BK_D) if EARLY else 0
+                if BARRIER:  # the SwiGLU rows
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                acc = _rows_dot(act_ptr, I, wd, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32, w0, EARLY)
                 _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
                 if layer + 1 < L:
                     _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS,
                               PREFETCH)
-                if BARRIER:
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
         # ---- the final norm (one program: M rows of DIM)
         if (only < 0) | (only == NPH * L):
+            if BARRIER:  # the last layer's down rows
+                _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
             if pid == 0:
                 _norm_rows(res_ptr, fnorm_ptr, h_ptr, DIM, M, DIM, eps, BLOCK_M, BD)
 
@@ -543,7 +572,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
 
     For probes (bench/stack_probe.py): ``phases`` launches just those phases, one a launch, with no
     grid barrier (also on the GPU; all of them, in order, compute the step); ``tune`` overrides
-    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP, ONE_POLLER)."""
+    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP, ONE_POLLER, EARLY)."""
     check(use_triton("decode_stack", x, w.qkv, k_cache), "decode_stack needs CUDA or the interpreter")
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
@@ -564,7 +593,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
         check(set(tune) <= _TUNABLE, f"tune takes {sorted(_TUNABLE)}")
         ks = {"BK_QKV": dim, "BK_O": h * hd, "BK_GU": dim, "BK_D": inter}
         for key, bk in tune.items():
-            check(key in ("STAGES", "GU_ONE_LOOP", "ONE_POLLER") or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
+            check(key in ("STAGES", "GU_ONE_LOOP", "ONE_POLLER", "EARLY") or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
         meta.update(tune)
     ns = meta["NS"]
@@ -617,7 +646,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd),
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
-        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True,
+        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
     )
 
 

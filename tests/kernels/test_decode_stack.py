@@ -117,6 +117,10 @@ def test_both_barriers_give_the_same_step() -> None:
             got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune={"ONE_POLLER": False})
             torch.cuda.synchronize()
             assert torch.equal(got, want)
+        # the first weight tiles loaded ahead of the barriers: the same products
+        for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}):
+            got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune=tune)
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert ds.errors(model.stack) == 0
 
 
@@ -171,6 +175,20 @@ sig = {a: "*bf16" for a in k.arg_names if a.endswith("_ptr")}
 sig.update(part_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i64", pos_ptr="*i64", slots_ptr="*i64", eps="fp32",
            qk_scale="fp32", sk_l="i64", sk_s="i64", sk_h="i64", sk_t="i64", s_tab="i64")
 aligned = tuple(a for a in sig if a.endswith("_ptr") or a.startswith("sk_") or a == "s_tab")
+
+
+def check_registers(ptx, name, spill_limit=64):
+    # registers: one program per SM must fit, and (nearly) nothing spills (ptxas -v on the PTX)
+    ptx_path = pathlib.Path(tmp, name + ".ptx")
+    ptx_path.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", str(ptx_path.with_suffix(".cubin"))],
+                       capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+    assert regs * 32 * ds._WARPS <= 65536 and spill <= spill_limit, r.stderr
+    print(name, regs, "registers,", spill, "bytes spilled")
+
+
 # (rows, dim, heads, kv heads, head dim, intermediate, layers, cache)
 for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272), (4, 2048, 32, 8, 64, 8192, 16, 2048),
                                             (1, 1024, 8, 2, 128, 8192, 4, 32)):
@@ -179,9 +197,10 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
     c = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True}, warps=ds._WARPS, divisible=aligned)
     ptx = c.asm["ptx"]
     assert "cp.async.cg.shared.global" in ptx, "the GEMV K loops are software-pipelined"
-    # the grid barrier (one poller a program, the default): thread 0 arrives and polls, five sites, own labels
-    assert ptx.count("atom.add.release.gpu.global.u64") == 5 and ptx.count("ld.acquire.gpu.global.u64") == 5
-    assert ptx.count("red.global.or.b64") == 5 and len(set(re.findall(r"GB_POLL_\w+:", ptx))) == 5
+    # the grid barrier (one poller a program, the default): thread 0 arrives and polls; six sites (one
+    # before each phase but the first layer's first, one before the final norm), each with its own labels
+    assert ptx.count("atom.add.release.gpu.global.u64") == 6 and ptx.count("ld.acquire.gpu.global.u64") == 6
+    assert ptx.count("red.global.or.b64") == 6 and len(set(re.findall(r"GB_POLL_\w+:", ptx))) == 6
     # the split counter whose last arrival merges a (row, kv head)'s attention partials
     assert (ptx.count("atom.global.gpu.acq_rel.add") == 1) == (meta["NS"] > 1)
     # six prefetch sites, each emitted once: one request per thread, none repeated across threads
@@ -190,17 +209,14 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
     if m == 1 and dim == 2048:  # the barrier polled by every thread: a release add, polls, an acquire CAS
         every = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ONE_POLLER": False}, warps=ds._WARPS,
                                   divisible=aligned).asm["ptx"]
-        assert every.count("atom.global.gpu.release.add") == 5, "one arrival per phase"
-        assert every.count("atom.global.acquire.gpu.cas") == 5, "the acquire after each wait"
+        assert every.count("atom.global.gpu.release.add") == 6, "one arrival per site"
+        assert every.count("atom.global.acquire.gpu.cas") == 6, "the acquire after each wait"
         assert "GB_POLL_" not in every
-    # registers: one program per SM must fit, and (nearly) nothing spills (ptxas -v on the PTX)
-    ptx_path = pathlib.Path(tmp, f"s{dim}.ptx")
-    ptx_path.write_text(ptx)
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", str(ptx_path.with_suffix(".cubin"))],
-                       capture_output=True, text=True, check=True)
-    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
-    spill = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
-    assert regs * 32 * ds._WARPS <= 65536 and spill <= 64, r.stderr
+        # each GEMV's first weight tile loaded ahead of its barrier: builds, pipelined, fits one program per SM
+        early = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "EARLY": 1}, warps=ds._WARPS, divisible=aligned)
+        assert "cp.async.cg.shared.global" in early.asm["ptx"] and early.metadata.shared <= 200 * 1024
+        check_registers(early.asm["ptx"], "early", spill_limit=256)  # (a switch, not the default: 148 B spill)
+    check_registers(ptx, f"s{dim}_{m}")
 print("compiled")
 ''', tmp_path)
 
@@ -287,7 +303,8 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
 
     ref = run()
     for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32}),
-               dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": False}), dict(prefetch=True)):
+               dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": False}), dict(prefetch=True),
+               dict(tune={"EARLY": 1}), dict(tune={"EARLY": 1, "GU_ONE_LOOP": False})):
         for got, want in zip(run(**kw), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # only the first layer's phases: the second layer's K/V stay as they were
