@@ -7,8 +7,8 @@ a cache prefilled to --context positions, one row. Each variant is captured in a
 steps back to back) and replayed; medians of 15 replays, after warm-up:
 - the layer-by-layer step (the engine's ``_decode`` without the stack), for the ratio;
 - the stack kernel as served (grid barriers, one poller a program, no L2 prefetch), with the
-  prefetch on, on half the SMs, with the first weight tiles loaded before the barriers, with every thread polling, with gate and up in two K loops,
-  other K-loop depths (STAGES), K tiles;
+  prefetch on, on half the SMs, with the first weight tiles loaded before the barriers, with
+  every thread polling, with gate and up in two K loops, other K-loop depths (STAGES), K tiles;
 - each phase kind alone (the L launches of that phase, no barrier) and an empty launch, so
   full - sum(phases) is what the barriers and the phase hand-offs cost.
 Each figure is also given as bandwidth: the weight bytes it reads / time, against the measured

@@ -53,7 +53,7 @@ _SPIN_LIMIT = 1 << 24  # barrier polls before giving up (a bug, not a wait: sets
 # semantics, computes the barrier's target (the next multiple of P), polls the counter with acquire
 # loads (at most $3 times) and on a timeout ORs 1 into the error flag at [$1 + 8]. Other threads
 # skip to the end; the block barrier after the asm makes them wait for thread 0 (bar.sync orders
-# their later reads after thread 0's acquire). ${:uid} keeps the labels of the five sites apart.
+# their later reads after thread 0's acquire). ${:uid} keeps the labels of the six sites apart.
 _POLL_ASM = """{
  .reg .pred gbp, gbq;
  .reg .b32 gbt, gbn;
@@ -287,7 +287,7 @@ def _kernels():
         part_ptr,  # *attention partials [M, H, NS, HD] float32
         ml_ptr,  # *(max in log2 units, sum p) [M, H, NS, 2] float32
         act_ptr,  # *SwiGLU output scratch [M, I]
-        priv_ptr,  # *per-program input rows [P, M, KP] (the normalised row a GEMV reads)
+        priv_ptr,  # *per-program input rows [P, M, DIM] (the normalised row a GEMV reads)
         cnt_ptr,  # *int64 [2 + M HKV]: barrier counter, error flag, a split counter per (row, kv head)
         wqkv_ptr,  # *[L, (H + 2 HKV) HD, DIM]
         wo_ptr,  # *[L, DIM, H HD]
@@ -303,7 +303,7 @@ def _kernels():
         only,  # the one phase to run (5 l + k, or 5 L for the final norm); -1: all, with barriers
         M: tl.constexpr, DIM: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
         I: tl.constexpr, L: tl.constexpr, TMAX: tl.constexpr, CHUNK: tl.constexpr, NS: tl.constexpr,
-        P: tl.constexpr, KP: tl.constexpr,
+        P: tl.constexpr,
         R_QKV: tl.constexpr, BN_QKV: tl.constexpr, BK_QKV: tl.constexpr,
         R_O: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
         R_GU: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr,
@@ -321,7 +321,7 @@ def _kernels():
         NQKV: tl.constexpr = (H + 2 * HKV) * HD
         G: tl.constexpr = H // HKV
         HALF: tl.constexpr = HD // 2
-        priv = priv_ptr + pid * (M * KP)
+        priv = priv_ptr + pid * (M * DIM)
         rm16 = tl.arange(0, 16)
         mm16 = rm16 < M
         # The first layer's q|k|v slice, while the kernel before (the embedding) finishes.
@@ -343,9 +343,9 @@ def _kernels():
                 if BARRIER:
                     if layer > 0:  # the previous layer's down rows
                         _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
-                _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
+                _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, DIM, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
-                acc = _rows_dot(priv, KP, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY)
+                acc = _rows_dot(priv, DIM, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY)
                 rn = row0 + tl.arange(0, BN_QKV)
                 nm = (tl.arange(0, BN_QKV) < R_QKV) & (rn < NQKV)
                 tl.store(qkv_ptr + rm16[:, None] * NQKV + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
@@ -465,14 +465,14 @@ def _kernels():
                 w20 = _tile0(wg + I * DIM, row0, R_GU, I, DIM, BN_GU, BK_GU) if EARLY else 0
                 if BARRIER:  # the residual after attention
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
-                _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, KP, M, DIM, eps, BLOCK_M, BD)
+                _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, DIM, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
                 if GU_ONE_LOOP:
-                    gacc, uacc = _rows_dot2(priv, KP, wg, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES,
+                    gacc, uacc = _rows_dot2(priv, DIM, wg, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES,
                                             DOT_F32, w0, w20, EARLY)
                 else:
-                    gacc = _rows_dot(priv, KP, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w0, EARLY)
-                    uacc = _rows_dot(priv, KP, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w20,
+                    gacc = _rows_dot(priv, DIM, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w0, EARLY)
+                    uacc = _rows_dot(priv, DIM, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w20,
                                      EARLY)
                 out_t = act_ptr.dtype.element_ty
                 gv = gacc.to(out_t).to(tl.float32)
@@ -593,7 +593,7 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
         check(set(tune) <= _TUNABLE, f"tune takes {sorted(_TUNABLE)}")
         ks = {"BK_QKV": dim, "BK_O": h * hd, "BK_GU": dim, "BK_D": inter}
         for key, bk in tune.items():
-            check(key in ("STAGES", "GU_ONE_LOOP", "ONE_POLLER", "EARLY") or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
+            check(key not in ks or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
         meta.update(tune)
     ns = meta["NS"]
@@ -637,7 +637,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
     while dim % bd:
         bd //= 2
     return dict(
-        M=m, DIM=dim, H=h, HKV=hkv, HD=hd, I=inter, L=n_layers, TMAX=tmax, CHUNK=chunk, NS=ns, NS_B=triton.next_power_of_2(ns), P=p, KP=dim,
+        M=m, DIM=dim, H=h, HKV=hkv, HD=hd, I=inter, L=n_layers, TMAX=tmax, CHUNK=chunk, NS=ns, NS_B=triton.next_power_of_2(ns), P=p,
         R_QKV=r_qkv, BN_QKV=bn_qkv, BK_QKV=_block_k(dim, bn_qkv),
         R_O=r_o, BN_O=bn_o, BK_O=_block_k(h * hd, bn_o),
         R_GU=r_gu, BN_GU=bn_gu, BK_GU=_block_k(dim, bn_gu, 4096),
