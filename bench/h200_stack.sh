@@ -3,7 +3,7 @@
 # its GPU tests first (a hang is cut by the timeout, and the benches are skipped), then the stack's
 # variants and phases (bench/stack_probe.py), then text decode and the CSM frame with the stack off
 # and on, side by side (same weights, same call):
-#   PARTS="probe text csm" bash bench/h200_stack.sh COMMIT [OUT_DIR]
+#   PARTS="probe text csm ncu" bash bench/h200_stack.sh COMMIT [OUT_DIR]
 # PARTS picks the steps after the tests (all three by default: ~9 min, more than one call allows
 # on a cold machine; "probe text" and "csm" fit one call each).
 source bench/h200_run.sh "$0" "$@"
@@ -28,6 +28,19 @@ if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gp
       grep -v "GEMV choice" "$work/text_stack_$s.log" | grep "ours-\|device-only\|floor\|_stack_kernel" \
         | cut -c1-170 | tail -10
     done
+  fi
+  if has ncu; then  # Nsight Compute: where the stack kernel's warps stall, next to one layer of the layer path
+    sec="--section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
+    echo "== ncu: the stack kernel"
+    timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none --nvtx --nvtx-include "stack/" -k regex:_stack_kernel -c 1 $sec \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 bench/stack_probe.py --ncu > "$work/ncu_stack.log" 2>&1
+    grep -v "^\[\|^==PROF==" "$work/ncu_stack.log" | grep -v "^ *-* *$" | cut -c1-150 | head -120
+    echo "== ncu: one layer of the layer-by-layer step"
+    timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none --nvtx --nvtx-include "layers/" -c 9 --section SpeedOfLight \
+      --section WarpStateStats python3 bench/stack_probe.py --ncu > "$work/ncu_layers.log" 2>&1
+    grep -E "^  [a-z_]|Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles Per Issued" "$work/ncu_layers.log" \
+      | cut -c1-150 | head -80
   fi
   if has csm; then
     for s in 0 csm; do

@@ -64,6 +64,9 @@ def main() -> int:
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--context", type=int, default=264)
     ap.add_argument("--out", default="bench/results/stack_probe.json")
+    ap.add_argument("--ncu", action="store_true",
+                    help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
+                         "each (no timing, no graphs) and exit, e.g. ncu -k regex:_stack_kernel -c 1 ...")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("stack_probe needs a CUDA GPU", file=sys.stderr)
@@ -99,6 +102,23 @@ def main() -> int:
 
     def stack(**kw):  # noqa: ANN003, ANN202
         return lambda: ds.decode_stack(w, step_x, pos, cache.k, cache.v, slots, cos, sin, **kw)
+
+    if args.ncu:  # the kernels a profiler attaches to: stack steps, then layer-by-layer steps
+        for _ in range(2):  # warm (compiles, GEMV choices) outside the profiled ranges
+            stack()()
+        saved = model.stack
+        model.stack = None
+        for _ in range(2):
+            model._decode(step_x[:, None], pos, cache, slots)
+        torch.cuda.synchronize()
+        with torch.cuda.nvtx.range("layers"):  # ncu --nvtx --nvtx-include layers/
+            model._decode(step_x[:, None], pos, cache, slots)
+        model.stack = saved
+        with torch.cuda.nvtx.range("stack"):
+            stack()()
+        torch.cuda.synchronize()
+        log(f"ncu mode: warm steps, then one layer-by-layer step (NVTX 'layers') and one stack step ('stack') ran; barrier errors {ds.errors(w)}")
+        return 0
 
     rows: list[dict] = []
 
