@@ -10,7 +10,9 @@ steps back to back) and replayed; medians of 15 replays, after warm-up:
   prefetch on, on half the SMs, with the first weight tiles loaded before the barriers, with
   every thread polling, with gate and up in two K loops, other K-loop depths (STAGES), K tiles;
 - each phase kind alone (the L launches of that phase, no barrier) and an empty launch, so
-  full - sum(phases) is what the barriers and the phase hand-offs cost.
+  full - sum(phases) is what the barriers and the phase hand-offs cost;
+- a traced step (as served, and with EARLY=1): every program's time stamps at every grid barrier,
+  so each phase's work per program (mean, slowest), the waits and the arrival spread.
 Each figure is also given as bandwidth: the weight bytes it reads / time, against the measured
 copy bandwidth. Prints a table and writes JSON.
 """
@@ -57,6 +59,35 @@ def timed(fn, reps: int = 10, rounds: int = 15) -> float:  # noqa: ANN001
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) / reps)
     return statistics.median(times)
+
+
+def trace_table(ds, w, step, programs: int, n_layers: int, label: str) -> dict:  # noqa: ANN001
+    """Runs traced stack steps (time stamps at every grid barrier, ``decode_stack(trace=)``) and logs,
+    per phase kind summed over the layers: each program's work between barriers (mean over programs,
+    and the slowest program), the mean wait at the barrier, the mean spread of the arrivals; the
+    kernel's own length on the global timer. Returns those sums and the per-site rows."""
+    trace = torch.zeros((programs, ds.PHASES * n_layers + 1, 4), dtype=torch.int64, device=w.qkv.device)
+    for _ in range(5):  # the last of a few (warm) steps
+        step(trace)
+    torch.cuda.synchronize()
+    hz, sites = ds.trace_summary(trace)
+    t = trace.cpu()
+    kernel_us = float((t[:, -1, 3].max() - t[:, 0, 3].min()) / 1e3)
+    names = ["norm + qkv", "rope + attention", "o + residual", "norm + gate|up", "down + residual"]
+    kinds = []
+    for k in range(ds.PHASES):
+        rows_k = [r for r in sites if r["phase"] == k]
+        kinds.append(dict(phase=k, name=names[k], work_mean_us=sum(r["work_mean_us"] for r in rows_k),
+                          work_max_us=sum(r["work_max_us"] for r in rows_k),
+                          work_min_us=sum(r["work_min_us"] for r in rows_k),
+                          wait_mean_us=sum(r["wait_mean_us"] for r in rows_k),
+                          spread_mean_us=sum(r["arrival_spread_us"] for r in rows_k) / len(rows_k)))
+    log(f"trace ({label}): kernel {kernel_us:.1f} us on the global timer, SM clock {hz / 1e9:.2f} GHz; per phase kind, "
+        f"summed over {n_layers} layers (us): work mean / min / max-program, wait mean, arrival spread (mean a site)")
+    for r in kinds:
+        log(f"  {r['phase']} {r['name']:<18} {r['work_mean_us']:8.1f} {r['work_min_us']:8.1f} {r['work_max_us']:8.1f} "
+            f"{r['wait_mean_us']:8.1f} {r['spread_mean_us']:7.2f}")
+    return dict(kernel_us=kernel_us, clock_hz=hz, kinds=kinds, sites=sites)
 
 
 def main() -> int:
@@ -156,6 +187,10 @@ def main() -> int:
         nbytes = per_kind[k].numel() * 2 * nl if per_kind[k] is not None else None
         row(f"phase {k} ({name}) x{nl}", stack(phases=[ds.PHASES * l + k for l in range(nl)]), nbytes)
     row(f"empty launch x{ds.PHASES * nl + 1}", stack(phases=[10 ** 6] * (ds.PHASES * nl + 1)), None)
+    traces = {}
+    for label, tune in (("served", None), ("EARLY=1", {"EARLY": 1})):
+        traces[label] = trace_table(ds, w, lambda tr, tune=tune: stack(tune=tune, trace=tr)(), sms,
+                                    cfg.n_layers, label)
     flags = ds.errors(w)
     log(f"barrier errors: {flags}")
     by = {r["name"]: r["us"] for r in rows}
@@ -171,7 +206,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(commit=commit(), device=torch.cuda.get_device_name(), shapes=args.shapes,
                                    context=args.context, copy_bw_GB_s=bw / 1e9, weight_bytes=weight_bytes, rows=rows,
-                                   summary=summary, barrier_errors=flags, date=time.strftime("%Y-%m-%d")), indent=1))
+                                   summary=summary, traces=traces, barrier_errors=flags,
+                                   date=time.strftime("%Y-%m-%d")), indent=1))
     log(f"wrote {out}")
     return 0 if flags == 0 else 1
 

@@ -39,7 +39,8 @@ from torch import Tensor
 
 from ._triton import check, interpret_mode, pdl, use_triton
 
-__all__ = ["StackWeights", "stack_weights", "decode_stack", "launch_meta", "takes_shapes", "errors", "MAX_M", "PHASES"]
+__all__ = ["StackWeights", "stack_weights", "decode_stack", "launch_meta", "takes_shapes", "errors", "trace_summary",
+           "MAX_M", "PHASES"]
 
 MAX_M = 4
 PHASES = 5  # per layer
@@ -84,7 +85,7 @@ _TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POL
 @functools.cache
 def _kernels():
     # the jit'd functions resolve these through module globals
-    global triton, tl, gdc_wait, _grid_barrier, _own, _prefetch, _norm_rows, _merge_splits, _tile0, _dot_acc, \
+    global triton, tl, gdc_wait, _stamp, _grid_barrier, _own, _prefetch, _norm_rows, _merge_splits, _tile0, _dot_acc, \
         _rows_dot, _rows_dot2, _add_residual, _rotate
     import triton
     import triton.language as tl
@@ -93,11 +94,23 @@ def _kernels():
     globals()["_POLL"] = tl.constexpr(_POLL_ASM)  # a jit function reads only constexpr globals
 
     @triton.jit
+    def _stamp(tr_ptr, THREADS: tl.constexpr):
+        # TRACE: thread 0 stores this SM's cycle counter at tr_ptr[0] and the global ns timer at tr_ptr[2]
+        t = tl.arange(0, THREADS)
+        clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [t], dtype=tl.int64, is_pure=False, pack=1)
+        ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(tr_ptr + t * 0, clk, mask=t == 0)
+        tl.store(tr_ptr + 2 + t * 0, ns, mask=t == 0)
+
+    @triton.jit
     def _grid_barrier(cnt_ptr, P: tl.constexpr, SPIN_LIMIT: tl.constexpr, ONE_POLLER: tl.constexpr,
-                      THREADS: tl.constexpr):
+                      THREADS: tl.constexpr, tr_ptr, TRACE: tl.constexpr):
         # cnt_ptr[0] (int64) only grows: P arrivals per barrier, so barrier j of any launch waits
         # for the next multiple of P above the value it arrived at. cnt_ptr[1]: error flag.
+        # TRACE: the program's arrival (tr_ptr[0], [2]) and release ([1], [3]) times (_stamp).
         tl.debug_barrier()  # every thread's stores before the arrival
+        if TRACE:
+            _stamp(tr_ptr, THREADS)
         if ONE_POLLER:
             # thread 0 arrives (release), polls with acquire loads and flags a timeout; the block
             # barrier after it holds the other threads (132 pollers on the counter's line, not 1,056)
@@ -120,6 +133,8 @@ def _kernels():
             if cur < target:
                 tl.atomic_or(cnt_ptr + 1, 1)
         tl.debug_barrier()
+        if TRACE:
+            _stamp(tr_ptr + 1, THREADS)
 
     @triton.jit
     def _own(pid, R, N):
@@ -289,6 +304,7 @@ def _kernels():
         act_ptr,  # *SwiGLU output scratch [M, I]
         priv_ptr,  # *per-program input rows [P, M, DIM] (the normalised row a GEMV reads)
         cnt_ptr,  # *int64 [2 + M HKV]: barrier counter, error flag, a split counter per (row, kv head)
+        trace_ptr,  # *int64 [P, NPH L + 1, 4] (TRACE): per program and barrier, arrival/release cycles and ns
         wqkv_ptr,  # *[L, (H + 2 HKV) HD, DIM]
         wo_ptr,  # *[L, DIM, H HD]
         wgu_ptr,  # *[L, 2 I, DIM] (gate rows, then up rows)
@@ -316,6 +332,7 @@ def _kernels():
         GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
         EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
+        TRACE: tl.constexpr,  # time stamps at every barrier (trace_ptr); slot 0 is the kernel's start
     ):
         pid = tl.program_id(0)
         NQKV: tl.constexpr = (H + 2 * HKV) * HD
@@ -330,6 +347,9 @@ def _kernels():
         _prefetch(wqkv_ptr + pid * R_QKV * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS, PREFETCH)
         if PDL:
             gdc_wait()  # the kernel before has completed and its writes are visible
+        tr = trace_ptr + pid * ((NPH * L + 1) * 4)
+        if TRACE:  # the start, in the release slot of the barrier the first phase does not have
+            _stamp(tr + 1, THREADS)
         for layer in range(L):
             l64 = tl.cast(layer, tl.int64)
             src = res_ptr
@@ -342,7 +362,7 @@ def _kernels():
                 w0 = _tile0(wq, row0, R_QKV, NQKV, DIM, BN_QKV, BK_QKV) if EARLY else 0
                 if BARRIER:
                     if layer > 0:  # the previous layer's down rows
-                        _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                        _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer) * 4, TRACE)
                 _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, DIM, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
                 acc = _rows_dot(priv, DIM, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY)
@@ -354,7 +374,7 @@ def _kernels():
             # ---- 1: RoPE, cache write, split attention
             if (only < 0) | (only == NPH * layer + 1):
                 if BARRIER:  # q|k|v
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 1) * 4, TRACE)
                 dh = tl.arange(0, HALF_B)
                 dmh = dh < HALF
                 d = tl.arange(0, HD_B)
@@ -454,7 +474,7 @@ def _kernels():
                 wo = wo_ptr + l64 * DIM * (H * HD)
                 w0 = _tile0(wo, row0, R_O, DIM, H * HD, BN_O, BK_O) if EARLY else 0
                 if BARRIER:  # the attention output
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 2) * 4, TRACE)
                 acc = _rows_dot(attn_ptr, H * HD, wo, row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES, DOT_F32, w0, EARLY)
                 _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
             # ---- 3: post-attention norm + gate|up rows + SwiGLU
@@ -464,7 +484,7 @@ def _kernels():
                 w0 = _tile0(wg, row0, R_GU, I, DIM, BN_GU, BK_GU) if EARLY else 0
                 w20 = _tile0(wg + I * DIM, row0, R_GU, I, DIM, BN_GU, BK_GU) if EARLY else 0
                 if BARRIER:  # the residual after attention
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 3) * 4, TRACE)
                 _norm_rows(res_ptr, nrm_ptr + (l64 * 2 + 1) * DIM, priv, DIM, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
                 if GU_ONE_LOOP:
@@ -488,7 +508,7 @@ def _kernels():
                 wd = wd_ptr + l64 * DIM * I
                 w0 = _tile0(wd, row0, R_D, DIM, I, BN_D, BK_D) if EARLY else 0
                 if BARRIER:  # the SwiGLU rows
-                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                    _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 4) * 4, TRACE)
                 acc = _rows_dot(act_ptr, I, wd, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32, w0, EARLY)
                 _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
                 if layer + 1 < L:
@@ -497,7 +517,7 @@ def _kernels():
         # ---- the final norm (one program: M rows of DIM)
         if (only < 0) | (only == NPH * L):
             if BARRIER:  # the last layer's down rows
-                _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS)
+                _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * L) * 4, TRACE)
             if pid == 0:
                 _norm_rows(res_ptr, fnorm_ptr, h_ptr, DIM, M, DIM, eps, BLOCK_M, BD)
 
@@ -566,13 +586,16 @@ def default_programs(device: torch.device) -> int:
 
 def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                  cos: Tensor, sin: Tensor, programs: int | None = None, prefetch: bool = False,
-                 phases: list[int] | None = None, tune: dict | None = None) -> Tensor:
+                 phases: list[int] | None = None, tune: dict | None = None, trace: Tensor | None = None) -> Tensor:
     """x [M, DIM] (M <= MAX_M), pos/slots [M] int64, caches [L, S, HKV, TMAX, HD], cos/sin [P, HD]
     -> the final-norm output [M, DIM]; writes each row's K/V at (slot, pos) of every layer.
 
     For probes (bench/stack_probe.py): ``phases`` launches just those phases, one a launch, with no
     grid barrier (also on the GPU; all of them, in order, compute the step); ``tune`` overrides
-    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP, ONE_POLLER, EARLY)."""
+    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP, ONE_POLLER, EARLY); ``trace`` (int64
+    [P, PHASES L + 1, 4], one-launch form on the GPU only) receives each program's arrival and
+    release times at every barrier: SM cycles in [..., 0:2], global ns in [..., 2:4]; [:, 0, 1] and
+    [:, 0, 3] are the kernel's start (``trace_summary`` reads it)."""
     check(use_triton("decode_stack", x, w.qkv, k_cache), "decode_stack needs CUDA or the interpreter")
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
@@ -601,13 +624,18 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
         sc = w.scratch[(p, ns)] = _Scratch(w, MAX_M, ns, p)
     out = torch.empty_like(x)
-    args = (x, out, sc.res, sc.qkv, sc.attn, sc.part, sc.ml, sc.act, sc.priv, sc.counter, w.qkv, w.o, w.gate_up, w.down,
+    if trace is not None:
+        check(gpu and phases is None and trace.dtype == torch.int64 and trace.shape == (p, PHASES * nl + 1, 4)
+              and trace.is_contiguous(), f"trace: int64 [{p}, {PHASES * nl + 1}, 4] on the GPU, one-launch form")
+    args = (x, out, sc.res, sc.qkv, sc.attn, sc.part, sc.ml, sc.act, sc.priv, sc.counter,
+            trace if trace is not None else sc.counter, w.qkv, w.o, w.gate_up, w.down,
             w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
     if gpu and phases is None:
         sms = default_programs(x.device)
         check(p <= sms, f"{p} programs cannot all be resident on {sms} SMs")
         use_pdl = pdl(x)
+        meta["TRACE"] = trace is not None
         kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=_WARPS, num_stages=1, launch_pdl=use_pdl, **meta)
     else:
         for ph in range(PHASES * nl + 1) if phases is None else phases:  # the launch boundary is the barrier
@@ -647,7 +675,27 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
+        TRACE=False,
     )
+
+
+def trace_summary(trace: Tensor) -> tuple[float, list[dict]]:
+    """(SM clock in Hz, per barrier site j of a traced step (``decode_stack(..., trace=)``) the phase
+    before it as the programs saw it): work = arrival_j - release_(j-1) on each program's own SM
+    clock, in µs: mean, min and max over programs; wait = release_j - arrival_j, mean; the spread
+    of the arrivals on the global timer (last - first, µs). Slot 0 holds the start only. The clock
+    rate is the median over programs of (cycles / global ns) from the start to the last release."""
+    t = trace.detach().to("cpu", torch.float64)
+    clock_hz = float(((t[:, -1, 1] - t[:, 0, 1]) / (t[:, -1, 3] - t[:, 0, 3]).clamp(min=1)).median()) * 1e9
+    out = []
+    for j in range(1, t.shape[1]):
+        work = (t[:, j, 0] - t[:, j - 1, 1]) / clock_hz * 1e6
+        wait = (t[:, j, 1] - t[:, j, 0]) / clock_hz * 1e6
+        arr = t[:, j, 2]
+        out.append(dict(site=j, phase=(j - 1) % PHASES, work_mean_us=float(work.mean()),
+                        work_min_us=float(work.min()), work_max_us=float(work.max()), wait_mean_us=float(wait.mean()),
+                        arrival_spread_us=float(arr.max() - arr.min()) / 1e3))
+    return clock_hz, out
 
 
 def errors(w: StackWeights) -> int:

@@ -125,6 +125,40 @@ def test_both_barriers_give_the_same_step() -> None:
 
 
 @pytest.mark.gpu
+def test_traced_step_is_the_step_and_its_stamps_are_ordered() -> None:
+    """The probe's traced launch (time stamps at every barrier) computes the same step bit for bit;
+    each program's stamps never go back in time; every phase takes time; the summary has a row per
+    barrier site and a plausible SM clock."""
+    from realtime.kernels import decode_stack as ds
+
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to("cuda", torch.bfloat16)
+    model.fuse_projections()
+    assert model.enable_decode_stack()
+    cache = KVCache(CFG, n_slots=4, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([1, 3], device="cuda")
+    pos = torch.tensor([40, 7], device="cuda")
+    x = torch.randn(2, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    p = ds.default_programs(x.device)
+    trace = torch.zeros((p, ds.PHASES * CFG.n_layers + 1, 4), dtype=torch.int64, device="cuda")
+    with torch.no_grad():
+        want = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
+        got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, trace=trace)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    t = trace.cpu()
+    for c in (0, 2):  # SM cycles, global ns: start <= arrival <= release <= next arrival ...
+        seq = torch.cat([t[:, :1, c + 1], t[:, 1:, c:c + 2].reshape(p, -1)], dim=1)
+        assert bool((seq[:, 1:] >= seq[:, :-1]).all()) and bool((seq[:, -1] > seq[:, 0]).all())
+    hz, sites = ds.trace_summary(trace)
+    assert 0.5e9 < hz < 3.5e9
+    assert [r["site"] for r in sites] == list(range(1, ds.PHASES * CFG.n_layers + 1))
+    assert all(r["work_max_us"] >= r["work_mean_us"] >= r["work_min_us"] >= 0 for r in sites)
+    assert ds.errors(model.stack) == 0
+
+
+@pytest.mark.gpu
 def test_stack_step_replays_from_a_cuda_graph() -> None:
     """The persistent kernel captured in a CUDA graph (its barrier counter keeps growing across
     replays) gives its eager twin's output at each of several replays."""
@@ -172,7 +206,7 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 tmp = tempfile.mkdtemp()
 k = ds._kernels()
 sig = {a: "*bf16" for a in k.arg_names if a.endswith("_ptr")}
-sig.update(part_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i64", pos_ptr="*i64", slots_ptr="*i64", eps="fp32",
+sig.update(part_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i64", trace_ptr="*i64", pos_ptr="*i64", slots_ptr="*i64", eps="fp32",
            qk_scale="fp32", sk_l="i64", sk_s="i64", sk_h="i64", sk_t="i64", s_tab="i64")
 aligned = tuple(a for a in sig if a.endswith("_ptr") or a.startswith("sk_") or a == "s_tab")
 
@@ -216,6 +250,12 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         early = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "EARLY": 1}, warps=ds._WARPS, divisible=aligned)
         assert "cp.async.cg.shared.global" in early.asm["ptx"] and early.metadata.shared <= 200 * 1024
         check_registers(early.asm["ptx"], "early", spill_limit=256)  # (a switch, not the default: 148 B spill)
+        # the probe's traced step: both clocks read at every barrier's arrival and release, and the start
+        traced = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "TRACE": True}, warps=ds._WARPS,
+                                   divisible=aligned).asm["ptx"]
+        assert traced.count("%globaltimer") == traced.count("%clock64") == 2 * 6 + 1
+        assert "%globaltimer" not in ptx
+        check_registers(traced, "traced", spill_limit=256)
     check_registers(ptx, f"s{dim}_{m}")
 print("compiled")
 ''', tmp_path)
