@@ -195,8 +195,8 @@ def main() -> int:
         log(f"GEMV choice {c}")
     from realtime.kernels import sampling
 
-    res["sampler_warps_measured"] = sampling.choices()
-    log(f"sampler warps {res['sampler_warps_measured']}")
+    res["sampler_measured"] = sampling.choices()
+    log(f"sampler choice (digit bits / warps: us a row) {res['sampler_measured']}")
     res["gpu_mem_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))

@@ -47,7 +47,7 @@ if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gp
       echo "== CSM engine, REALTIME_STACK=$s"
       REALTIME_STACK=$s timeout "${CSM_TIMEOUT:-150}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 \
         --variants graphed_kernels --frames 48 --out "$work/csm_stack_$s.json" > "$work/csm_stack_$s.log" 2>&1
-      grep "^\[" "$work/csm_stack_$s.log" | grep -v "GEMV choice" | grep "frames/s\|codes on" | cut -c1-170
+      grep "^\[" "$work/csm_stack_$s.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|sampler choice" | cut -c1-300
     done
   fi
 else

@@ -12,10 +12,11 @@ Top-k without a sort: a radix select finds the k-th largest temperature-scaled l
 argmax over the kept tokens. Rows with top-k off or greedy rows skip the select.
 
 Small vocabularies (V <= 8192: CSM's 2051 audio codes) take a second kernel that holds the whole
-row in registers and finds the same k-th largest key by bisection over its 32 bits (32 counting
-reductions, no histograms and no re-reads of the row; 16 for bf16/fp16 logits, whose own bits
-order them as their scaled float32 values); it returns the same tokens. Its warps per
-row are measured once per vocabulary size on the GPU (``_small_warps``).
+row in registers and finds the same k-th largest key either by bisection over its 32 bits (32
+counting reductions, no re-reads of the row; 16 for bf16/fp16 logits, whose own bits order them
+as their scaled float32 values) or by radix select 4 bits a pass (8 or 4 histograms of 16 bins);
+both return the same tokens. Which of the two, and its warps per row, are measured once per
+vocabulary size on the GPU (``_small_config``).
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def _kernels():
         BLOCK_V: tl.constexpr,  # >= V: the whole row in one block
         LIBDEVICE_LOG: tl.constexpr,
         KEY_BITS: tl.constexpr = 32,  # 16 for bf16/fp16 logits: rank by their own bits
+        DIGIT_BITS: tl.constexpr = 1,  # 1: bisection, one count a bit; 4: radix, a 16-bin histogram a digit
         PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see _triton.pdl)
     ):
         _pdl_enter(PDL)
@@ -207,12 +209,29 @@ def _kernels():
         thr = tl.full([], 0, tl.uint32)
         k_rem = k.to(tl.int32)
         if topk_on:
-            one = tl.full([], 1, tl.uint32)
-            for bit in tl.static_range(KEY_BITS):
-                cand = thr | (one << (KEY_BITS - 1 - bit))
-                cnt = tl.sum((valid & (okey >= cand)).to(tl.int32), 0)
-                thr = tl.where(cnt >= k_rem, cand, thr)
-            k_rem = k_rem - tl.sum((valid & (okey > thr)).to(tl.int32), 0)
+            if DIGIT_BITS == 1:
+                one = tl.full([], 1, tl.uint32)
+                for bit in tl.static_range(KEY_BITS):
+                    cand = thr | (one << (KEY_BITS - 1 - bit))
+                    cnt = tl.sum((valid & (okey >= cand)).to(tl.int32), 0)
+                    thr = tl.where(cnt >= k_rem, cand, thr)
+                k_rem = k_rem - tl.sum((valid & (okey > thr)).to(tl.int32), 0)
+            else:
+                # Radix select as in _sample_kernel, DIGIT_BITS a pass, the row in registers: the
+                # digit's histogram among the keys that share the bits chosen so far.
+                NB: tl.constexpr = 1 << DIGIT_BITS
+                bins = tl.arange(0, NB)
+                for p in tl.static_range(KEY_BITS // DIGIT_BITS):
+                    shift = KEY_BITS - DIGIT_BITS * (p + 1)  # constexpr
+                    if p == 0:
+                        grp = valid
+                    else:
+                        grp = valid & (((okey ^ thr) >> (shift + DIGIT_BITS)) == 0)
+                    hist = tl.histogram(((okey >> shift) & (NB - 1)).to(tl.int32), NB, mask=grp)
+                    ge = tl.cumsum(hist, 0, reverse=True)  # ge[d] = #group keys with digit >= d
+                    dsel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
+                    k_rem = k_rem - tl.sum(tl.where(bins == dsel, ge - hist, 0), 0)  # minus the larger digits
+                    thr = thr | (dsel.to(tl.uint32) << shift)
         eq = valid & (okey == thr)
         eq_i = eq.to(tl.int32)
         tie_rank = tl.cumsum(eq_i, 0) - eq_i
@@ -310,53 +329,59 @@ def gumbel_argmax(logits: Tensor, temperature: Tensor, seeds: Tensor, steps: Ten
 
 
 _WARP_OPTIONS = (4, 8, 16, 32)  # fewer than 4: 64+ keys a thread (slow; one warp takes minutes of ptxas)
-_UNMEASURED_WARPS = 8  # the CPU interpreter, or a first call inside a CUDA-graph capture
-_small_choice: dict[tuple, int] = {}
-_small_timings: dict[tuple, dict[int, float]] = {}
+_DIGIT_OPTIONS = (1, 4)  # bits a select step: bisection (a count a bit) or radix (a 16-bin histogram a digit)
+_UNMEASURED = (1, 8)  # (digit bits, warps): the CPU interpreter, or a first call inside a CUDA-graph capture
+_small_choice: dict[tuple, tuple[int, int]] = {}
+_small_timings: dict[tuple, dict[tuple[int, int], float]] = {}
 
 
-def _small_warps(v: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Warps per row for the small-vocabulary kernel, measured once per (V, dtype, device).
+def _small_config(v: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(digit bits, warps) a row for the small-vocabulary kernel, measured once per (V, dtype, device).
 
-    The kernel's 16 or 32 counting reductions are block-wide; with fewer warps each is a shuffle within
-    fewer warps and less shared memory, but each thread holds more of the row. Which wins depends
-    on V and the GPU, so the first call outside a CUDA-graph capture times 64 launches of each
-    option (replayed from a graph, median of 5) on a random [1, V] row and keeps the fastest.
+    The select's 16 or 32 counting reductions (bisection), or its 4 or 8 histograms (radix, 4 bits a
+    pass), are block-wide; with fewer warps each is a shuffle within fewer warps and less shared
+    memory, but each thread holds more of the row. Which wins depends on V and the GPU, so the first
+    call outside a CUDA-graph capture times 64 launches of each option (replayed from a graph,
+    median of 5) on a random [1, V] row and keeps the fastest; every option gives the same tokens.
     """
     key = (v, dtype, str(device))
     if key in _small_choice:
         return _small_choice[key]
     if torch.cuda.is_current_stream_capturing():
-        return _UNMEASURED_WARPS  # cannot time now; the warm-up before a capture normally made the choice
+        return _UNMEASURED  # cannot time now; the warm-up before a capture normally made the choice
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(1, v, device=device, generator=gen).to(dtype) * 3
     temp = torch.ones(1, device=device)
     top_k = torch.full((1,), 50, dtype=torch.long, device=device)
     seeds = torch.zeros(1, dtype=torch.long, device=device)
     steps = torch.zeros(1, dtype=torch.long, device=device)
-    times: dict[int, float] = {}
+    times: dict[tuple[int, int], float] = {}
     with torch.cuda.device(device):
-        for w in _WARP_OPTIONS:  # µs a row: 64 launches replayed from one graph, median of 5
-            run = functools.partial(sample, logits, temp, top_k, seeds, steps, num_warps=w)
-            times[w] = graph_time([run] * 64) * 1e6
+        for db in _DIGIT_OPTIONS:
+            for w in _WARP_OPTIONS:  # µs a row: 64 launches replayed from one graph, median of 5
+                run = functools.partial(sample, logits, temp, top_k, seeds, steps, num_warps=w, digit_bits=db)
+                times[(db, w)] = graph_time([run] * 64) * 1e6
     best = min(times, key=times.__getitem__)
     _small_choice[key], _small_timings[key] = best, times
     return best
 
 
 def choices() -> list[dict]:
-    """The small-vocabulary kernel's measured warps per (V, dtype, device): µs per row for each option."""
-    return [{"V": k[0], "dtype": str(k[1]), "device": k[2], "warps": _small_choice[k],
-             "us": {w: round(t, 2) for w, t in _small_timings[k].items()}} for k in _small_timings]
+    """The small-vocabulary kernel's measured (digit bits, warps) per (V, dtype, device): µs per row
+    for each option, keyed "bits/warps"."""
+    return [{"V": k[0], "dtype": str(k[1]), "device": k[2], "digit_bits": _small_choice[k][0],
+             "warps": _small_choice[k][1], "us": {f"{db}/{w}": round(t, 2) for (db, w), t in _small_timings[k].items()}}
+            for k in _small_timings]
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, steps: Tensor,
-           num_warps: int | None = None) -> Tensor:
+           num_warps: int | None = None, digit_bits: int | None = None) -> Tensor:
     """logits [B, V]; temperature [B] (<= 0: greedy); top_k [B] (<= 0: off); seeds, steps [B] -> tokens [B] long.
 
     = ``realtime.engines.sampling.sample(logits, temperature, top_k, ones, seeds, steps)``.
-    No host sync: per-row scalars are cast on the device. ``num_warps`` overrides the measured
-    choice for small vocabularies (see ``_small_warps``; tests run every option).
+    No host sync: per-row scalars are cast on the device. ``num_warps`` and ``digit_bits`` (1 or 4)
+    override the measured choice for small vocabularies (see ``_small_config``; tests run every
+    option).
     """
     if not use_triton("sample", logits, temperature, top_k, seeds, steps):
         return sample_ref(logits, temperature, top_k, seeds, steps)
@@ -369,12 +394,15 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor, st
     k = top_k.to(dtype=torch.long).contiguous()
     sd = seeds.to(dtype=torch.long).contiguous()
     st = steps.to(dtype=torch.long).contiguous()
+    check(digit_bits in (None, *_DIGIT_OPTIONS), f"digit_bits must be one of {_DIGIT_OPTIONS}, got {digit_bits}")
     if v <= _SMALL_V:
-        warps = num_warps or (_small_warps(v, logits.dtype, logits.device) if logits.is_cuda else _UNMEASURED_WARPS)
+        if num_warps is None or digit_bits is None:
+            db, warps = _small_config(v, logits.dtype, logits.device) if logits.is_cuda else _UNMEASURED
+            num_warps, digit_bits = num_warps or warps, digit_bits or db
         small_kernel[(b,)](
             logits, temp, k, sd, st, out, v, logits.stride(0),
-            BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=warps,
-            KEY_BITS=16 if logits.element_size() == 2 else 32, **pdl_launch(logits),
+            BLOCK_V=triton.next_power_of_2(v), LIBDEVICE_LOG=logits.is_cuda, num_warps=num_warps,
+            KEY_BITS=16 if logits.element_size() == 2 else 32, DIGIT_BITS=digit_bits, **pdl_launch(logits),
         )
         return out
     kernel[(b,)](

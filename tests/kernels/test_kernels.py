@@ -528,10 +528,11 @@ def _sampling_rows(b, v, device="cpu", seed=0):
 
 # 1000, 3001: the small-vocabulary kernel (row in registers); 9001: the radix-select kernel with
 # several blocks, the last one partial.
-@pytest.mark.parametrize("v", [1000, 3001, 9001])
-def test_sample_equals_engine(cpu_kernels, v):
+@pytest.mark.parametrize("v, digit_bits", [(1000, 1), (3001, 1), (1000, 4), (3001, 4), (9001, None)])
+def test_sample_equals_engine(cpu_kernels, v, digit_bits):
+    """digit_bits: the small-vocabulary kernel's select by bisection (1) or 4-bit radix (4)."""
     logits, temp, top_k, seeds, steps = _sampling_rows(24, v)
-    got = sample(logits, temp, top_k, seeds, steps)
+    got = sample(logits, temp, top_k, seeds, steps, digit_bits=digit_bits)
     ones = torch.ones(24)
     want = engine_sample(logits, temp, top_k, ones, seeds, steps)
     assert got.dtype == torch.long
@@ -564,14 +565,15 @@ def test_sample_noise_is_the_engine_hash(cpu_kernels):
     assert torch.equal(got, uniform_noise(seeds, steps, v).argmax(-1))
 
 
-def test_sample_topk_ties_keep_lowest_indices(cpu_kernels):
+@pytest.mark.parametrize("digit_bits", [1, 4])
+def test_sample_topk_ties_keep_lowest_indices(cpu_kernels, digit_bits):
     """Ties at the k-th value: the kernel keeps the first ones in vocab order (a stable sort)."""
     v = 300
     logits = torch.zeros(4, v)
     logits[:, ::3] = 1.0  # 100 entries tie at the top
     k = torch.tensor([1, 10, 99, 150])
     seeds, steps = torch.arange(4), torch.zeros(4, dtype=torch.long)
-    got = sample(logits, torch.ones(4), k, seeds, steps)
+    got = sample(logits, torch.ones(4), k, seeds, steps, digit_bits=digit_bits)
     order = logits.sort(dim=-1, descending=True, stable=True).indices
     keep = torch.zeros(4, v, dtype=torch.bool).scatter(1, order, torch.arange(v)[None] < k[:, None])
     noisy = (logits - torch.log(-torch.log(uniform_noise(seeds, steps, v)))).masked_fill(~keep, float("-inf"))
@@ -599,13 +601,15 @@ def _distinct_16bit_rows(b, v, dtype, device="cpu"):
     return torch.stack(rows).to(torch.int16).view(dtype).to(device)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_sample_16bit_logits_with_top_k(cpu_kernels, dtype):
-    """The small-vocabulary kernel ranks 16-bit logits by their own bits (16 counting steps): the
-    same tokens as the engine's sort over the float32 scaled values, top-k on, greedy and flat rows."""
+@pytest.mark.parametrize("dtype, digit_bits", [(torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 4),
+                                               (torch.float16, 4)])
+def test_sample_16bit_logits_with_top_k(cpu_kernels, dtype, digit_bits):
+    """The small-vocabulary kernel ranks 16-bit logits by their own bits (16 counting steps, or 4
+    radix passes): the same tokens as the engine's sort over the float32 scaled values, top-k on,
+    greedy and flat rows."""
     logits, temp, top_k, seeds, steps = _sampling_rows(24, 1500)
     logits = _distinct_16bit_rows(24, 1500, dtype)
-    got = sample(logits, temp, top_k, seeds, steps)
+    got = sample(logits, temp, top_k, seeds, steps, digit_bits=digit_bits)
     assert torch.equal(got, engine_sample(logits, temp, top_k, torch.ones(24), seeds, steps))
 
 
@@ -698,7 +702,9 @@ for dt in ("bf16", "fp32"):
     sig = dict(logits_ptr=f"*{dt}", temp_ptr="*fp32", topk_ptr="*i64", seed_ptr="*i64", step_ptr="*i64", out_ptr="*i64")
     comp(big, sig, dict(N_BLOCKS=63, BLOCK_V=2048, LIBDEVICE_LOG=True), 8)
     for warps in (4, 32):
-        comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True, KEY_BITS=16 if dt == "bf16" else 32), warps)
+        for db in sampling._DIGIT_OPTIONS:
+            comp(small, sig, dict(BLOCK_V=4096, LIBDEVICE_LOG=True, KEY_BITS=16 if dt == "bf16" else 32, DIGIT_BITS=db),
+                 warps)
 print("compiled")
 """
 
@@ -928,8 +934,9 @@ def test_gpu_sample_equals_engine(v):
     eager, replay = _graph(lambda: sample(logits, temp, top_k, seeds, steps))
     assert torch.equal(eager, replay)
     if v <= fused_sampling._SMALL_V:  # every warp count the load-time choice may pick gives the same tokens
-        for w in fused_sampling._WARP_OPTIONS:
-            assert torch.equal(sample(logits, temp, top_k, seeds, steps, num_warps=w), want), w
+        for db in fused_sampling._DIGIT_OPTIONS:
+            for w in fused_sampling._WARP_OPTIONS:
+                assert torch.equal(sample(logits, temp, top_k, seeds, steps, num_warps=w, digit_bits=db), want), (db, w)
         print("\n", fused_sampling.choices())
     print(f"\nsample B=24 V={v}: kernel {_time_us(lambda: sample(logits, temp, top_k, seeds, steps)):.1f} us, "
           f"ref {_time_us(lambda: sample_ref(logits, temp, top_k, seeds, steps)):.1f} us")
