@@ -16,9 +16,11 @@ if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gp
      tests/engines/test_transformer_kernels.py > "$work/stack_tests.log" 2>&1; then
   tail -3 "$work/stack_tests.log"
   if has probe; then
-    echo "== stack probe (Llama-3.2-1B shapes, batch 1)"
-    timeout "${PROBE_TIMEOUT:-150}" python3 bench/stack_probe.py --out "$work/stack_probe_1b.json" 2>&1 \
-      | tee "$work/stack_probe_1b.log" | cut -c12-160
+    for shapes in ${PROBE_SHAPES:-1b}; do  # 1b (Llama-3.2-1B) and/or csm-depth (CSM's depth decoder)
+      echo "== stack probe ($shapes shapes, batch 1)"
+      timeout "${PROBE_TIMEOUT:-150}" python3 bench/stack_probe.py --shapes "$shapes" --out "$work/stack_probe_$shapes.json" \
+        2>&1 | tee "$work/stack_probe_$shapes.log" | cut -c12-160
+    done
   fi
   if has text; then
     for s in 0 text; do
