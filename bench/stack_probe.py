@@ -1,6 +1,6 @@
 """Where the one-kernel decode step's time goes (kernels/decode_stack.py), on one GPU.
 
-    python bench/stack_probe.py [--shapes 1b|csm-depth] [--context 264] [--out bench/results/stack_probe.json]
+    python bench/stack_probe.py [--shapes 1b|csm-depth] [--context N] [--out bench/results/stack_probe.json]
 
 Random bf16 weights (seeded normal, not zeros) of Llama-3.2-1B's stack (or CSM's depth decoder),
 a cache prefilled to --context positions, one row. Each variant is captured in a CUDA graph (10
@@ -93,12 +93,15 @@ def trace_table(ds, w, step, programs: int, n_layers: int, label: str) -> dict: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="1b")
-    ap.add_argument("--context", type=int, default=264)
+    ap.add_argument("--context", type=int, default=None,
+                    help="cached positions before the step (default: 264 for 1b, 16 for csm-depth: mid-frame)")
     ap.add_argument("--out", default="bench/results/stack_probe.json")
     ap.add_argument("--ncu", action="store_true",
                     help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
                          "each (no timing, no graphs) and exit, e.g. ncu -k regex:_stack_kernel -c 1 ...")
     args = ap.parse_args()
+    if args.context is None:
+        args.context = 16 if args.shapes == "csm-depth" else 264
     if not torch.cuda.is_available():
         print("stack_probe needs a CUDA GPU", file=sys.stderr)
         return 2
