@@ -7,12 +7,14 @@ a cache prefilled to --context positions, one row. Each variant is captured in a
 steps back to back) and replayed; medians of 15 replays, after warm-up:
 - the layer-by-layer step (the engine's ``_decode`` without the stack), for the ratio;
 - the stack kernel as served (grid barriers, one poller a program, no L2 prefetch), with the
-  prefetch on, on half the SMs, with the first weight tiles loaded before the barriers, with
-  every thread polling, with gate and up in two K loops, other K-loop depths (STAGES), K tiles;
+  prefetch on, on half the SMs, as two 4-warp programs an SM, with the first weight tiles loaded
+  before the barriers, with every thread polling, with gate and up in two K loops, other K-loop
+  depths (STAGES), K tiles;
 - each phase kind alone (the L launches of that phase, no barrier) and an empty launch, so
   full - sum(phases) is what the barriers and the phase hand-offs cost;
-- a traced step (as served, and with EARLY=1): every program's time stamps at every grid barrier,
-  so each phase's work per program (mean, slowest), the waits and the arrival spread.
+- a traced step (as served, with EARLY=1, and two 4-warp programs an SM): every program's time
+  stamps at every grid barrier, so each phase's work per program (mean, slowest), the waits and the
+  arrival spread.
 Each figure is also given as bandwidth: the weight bytes it reads / time, against the measured
 copy bandwidth. Prints a table and writes JSON.
 """
@@ -157,7 +159,12 @@ def main() -> int:
     rows: list[dict] = []
 
     def row(name: str, fn, nbytes: int | None) -> None:  # noqa: ANN001
-        t = timed(fn)
+        try:
+            t = timed(fn)
+        except Exception as exc:  # one variant that fails (e.g. does not fit) must not lose the others
+            rows.append(dict(name=name, error=repr(exc)[:300]))
+            log(f"{name:<44} failed: {exc!r}"[:200])
+            return
         r = dict(name=name, us=t * 1e6)
         if nbytes:
             r["GB_s"] = nbytes / t / 1e9
@@ -172,6 +179,7 @@ def main() -> int:
     row("stack, as served", stack(), weight_bytes)
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
+    row(f"stack on {2 * sms} programs of 4 warps (two an SM)", stack(programs=2 * sms, tune={"WARPS": 4}), weight_bytes)
     base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,
                           cfg.max_seq_len, sms, 2, False, False)
     double = {k: 2 * base[k] for k in ("BK_QKV", "BK_O", "BK_GU", "BK_D") if 2 * base[k] <= 512}
@@ -191,12 +199,16 @@ def main() -> int:
         row(f"phase {k} ({name}) x{nl}", stack(phases=[ds.PHASES * l + k for l in range(nl)]), nbytes)
     row(f"empty launch x{ds.PHASES * nl + 1}", stack(phases=[10 ** 6] * (ds.PHASES * nl + 1)), None)
     traces = {}
-    for label, tune in (("served", None), ("EARLY=1", {"EARLY": 1})):
-        traces[label] = trace_table(ds, w, lambda tr, tune=tune: stack(tune=tune, trace=tr)(), sms,
-                                    cfg.n_layers, label)
+    for label, tune, programs in (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms),
+                                  ("two 4-warp programs an SM", {"WARPS": 4}, 2 * sms)):
+        try:
+            traces[label] = trace_table(ds, w, lambda tr, tune=tune, p=programs: stack(tune=tune, trace=tr, programs=p)(),
+                                        programs, cfg.n_layers, label)
+        except Exception as exc:
+            log(f"trace ({label}) failed: {exc!r}"[:200])
     flags = ds.errors(w)
     log(f"barrier errors: {flags}")
-    by = {r["name"]: r["us"] for r in rows}
+    by = {r["name"]: r.get("us", float("nan")) for r in rows}  # (nan: the row failed)
     phase_sum = sum(by[n] for n in by if n.startswith("phase "))
     served = by["stack, as served"]
     summary = dict(

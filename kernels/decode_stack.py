@@ -79,7 +79,8 @@ GB_POLL_${:uid}:
  mov.u32 $0, 1;
 GB_DONE_${:uid}:
 }"""
-_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY"}  # what decode_stack's ``tune`` may override
+# what decode_stack's ``tune`` may override (WARPS: 4 lets two programs share an SM, up to 2 x SMs programs)
+_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS"}
 
 
 @functools.cache
@@ -610,8 +611,11 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     kernel = _kernels()
     p = programs or default_programs(x.device)
     gpu = x.is_cuda and not interpret_mode()
+    tune = dict(tune or {})
+    warps = tune.pop("WARPS", _WARPS)
+    check(warps in (4, _WARPS), f"WARPS must be 4 or {_WARPS}, got {warps}")
     meta = launch_meta(m, dim, h, hkv, hd, inter, nl, k_cache.shape[3], p, x.element_size(), gpu and prefetch,
-                       x.dtype == torch.float32 or not x.is_cuda)
+                       x.dtype == torch.float32 or not x.is_cuda, warps)
     if tune:
         check(set(tune) <= _TUNABLE, f"tune takes {sorted(_TUNABLE)}")
         ks = {"BK_QKV": dim, "BK_O": h * hd, "BK_GU": dim, "BK_D": inter}
@@ -632,20 +636,43 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
             w.norms, w.final, k_cache, v_cache, cos, sin, pos, slots, float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), cos.stride(0))
     if gpu and phases is None:
-        sms = default_programs(x.device)
-        check(p <= sms, f"{p} programs cannot all be resident on {sms} SMs")
         use_pdl = pdl(x)
         meta["TRACE"] = trace is not None
-        kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=_WARPS, num_stages=1, launch_pdl=use_pdl, **meta)
+        slots = _resident_programs(kernel, args, p, warps, use_pdl, meta, x.device)
+        check(p <= slots, f"{p} programs of {warps} warps cannot all be resident on this GPU ({slots} at most)")
+        kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=warps, num_stages=1, launch_pdl=use_pdl, **meta)
     else:
         for ph in range(PHASES * nl + 1) if phases is None else phases:  # the launch boundary is the barrier
-            kernel[(p,)](*args, ph, BARRIER=False, PDL=False, num_warps=_WARPS, num_stages=1, **meta)
+            kernel[(p,)](*args, ph, BARRIER=False, PDL=False, num_warps=warps, num_stages=1, **meta)
     return out
 
 
+_resident: dict[tuple, int] = {}
+
+
+def _resident_programs(kernel, args: tuple, p: int, warps: int, use_pdl: bool, meta: dict,  # noqa: ANN001
+                       device: torch.device) -> int:
+    """How many programs of this compiled configuration fit on the GPU at once (the grid barrier
+    needs every program resident): SMs x programs an SM by registers (allocated per warp in units
+    of 256), shared memory (1 KB reserved a block) and threads; compiled once, then cached."""
+    key = (tuple(sorted(meta.items())), warps, use_pdl, str(device))
+    if key not in _resident:
+        c = kernel.warmup(*args, -1, grid=(p,), BARRIER=True, PDL=use_pdl, num_warps=warps, num_stages=1,
+                          launch_pdl=use_pdl, **meta)
+        c._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        regs_warp = -(-max(1, c.n_regs) * 32 // 256) * 256
+        # (Hopper's figures where this torch does not report them)
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_warp * warps)
+        by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (c.metadata.shared + 1024)
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+        _resident[key] = props.multi_processor_count * max(0, min(by_regs, by_smem, by_threads))
+    return _resident[key]
+
+
 def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layers: int, tmax: int, p: int,
-                elem: int, prefetch: bool, dot_f32: bool) -> dict:
-    """The kernel's constexprs for M rows of a stack with these shapes on P programs."""
+                elem: int, prefetch: bool, dot_f32: bool, warps: int = _WARPS) -> dict:
+    """The kernel's constexprs for M rows of a stack with these shapes on P programs of ``warps`` warps."""
     _kernels()  # (binds ``triton``)
 
     def rows(n: int) -> tuple[int, int]:  # rows per program, and the tile that holds them
@@ -673,7 +700,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         STAGES=4, BD=bd, BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd),
         ITEMS=triton.cdiv(m * hkv * ns, p),
-        THREADS=32 * _WARPS, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
+        THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
         TRACE=False,
     )

@@ -125,6 +125,32 @@ def test_both_barriers_give_the_same_step() -> None:
 
 
 @pytest.mark.gpu
+def test_two_programs_an_sm_give_the_step_and_too_many_are_refused() -> None:
+    """Four-warp programs, two an SM (the probe's WARPS=4 variant), compute the 8-warp step; a grid
+    the GPU cannot hold at once (the barrier would wait forever) is refused before it launches."""
+    from realtime.kernels import decode_stack as ds
+
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to("cuda", torch.bfloat16)
+    model.fuse_projections()
+    assert model.enable_decode_stack()
+    cache = KVCache(CFG, n_slots=4, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([2, 0], device="cuda")
+    pos = torch.tensor([33, 120], device="cuda")
+    x = torch.randn(2, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    sms = ds.default_programs(x.device)
+    with torch.no_grad():
+        want = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
+        got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, programs=2 * sms,
+                              tune={"WARPS": 4})
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        with pytest.raises(ValueError, match="resident"):
+            ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, programs=2 * sms)
+    assert ds.errors(model.stack) == 0
+
+
+@pytest.mark.gpu
 def test_traced_step_is_the_step_and_its_stamps_are_ordered() -> None:
     """The probe's traced launch (time stamps at every barrier) computes the same step bit for bit;
     each program's stamps never go back in time; every phase takes time; the summary has a row per
@@ -256,6 +282,11 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         assert traced.count("%globaltimer") == traced.count("%clock64") == 2 * 6 + 1
         assert "%globaltimer" not in ptx
         check_registers(traced, "traced", spill_limit=256)
+        # two 4-warp programs an SM (the probe's WARPS=4): both fit the shared memory and registers
+        meta4 = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 264, 2, False, False, warps=4)
+        four = sm90.compile_sm90(k, sig, {**meta4, "BARRIER": True}, warps=4, divisible=aligned)
+        assert 2 * (four.metadata.shared + 1024) <= 233472
+        print("4 warps:", four.metadata.shared, "bytes shared")
     check_registers(ptx, f"s{dim}_{m}")
 print("compiled")
 ''', tmp_path)
