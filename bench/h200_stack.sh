@@ -18,7 +18,7 @@ if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gp
   if has probe; then
     for shapes in ${PROBE_SHAPES:-1b}; do  # 1b (Llama-3.2-1B) and/or csm-depth (CSM's depth decoder)
       echo "== stack probe ($shapes shapes, batch 1)"
-      timeout "${PROBE_TIMEOUT:-150}" python3 bench/stack_probe.py --shapes "$shapes" --out "$work/stack_probe_$shapes.json" \
+      timeout "${PROBE_TIMEOUT:-150}" python3 bench/stack_probe.py ${PROBE_ARGS:-} --shapes "$shapes" --out "$work/stack_probe_$shapes.json" \
         2>&1 | tee "$work/stack_probe_$shapes.log" | cut -c12-160
     done
   fi

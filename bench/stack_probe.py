@@ -92,12 +92,46 @@ def trace_table(ds, w, step, programs: int, n_layers: int, label: str) -> dict: 
     return dict(kernel_us=kernel_us, clock_hz=hz, kinds=kinds, sites=sites)
 
 
+def finish(args, ds, w, cfg, bw: float, weight_bytes: int, sms: int, rows: list, stack, traced) -> int:  # noqa: ANN001
+    """The traced steps (``traced``: (label, tune, programs) each), the summary, the JSON; the exit code."""
+    nl = cfg.n_layers
+    traces = {}
+    for label, tune, programs in traced:
+        try:
+            traces[label] = trace_table(ds, w, lambda tr, tune=tune, p=programs: stack(tune=tune, trace=tr, programs=p)(),
+                                        programs, nl, label)
+        except Exception as exc:
+            log(f"trace ({label}) failed: {exc!r}"[:200])
+    flags = ds.errors(w)
+    log(f"barrier errors: {flags}")
+    by = {r["name"]: r.get("us", float("nan")) for r in rows}  # (nan: the row failed or did not run)
+    phase_sum = sum(by[n] for n in by if n.startswith("phase "))
+    served = by["stack, as served"]
+    empty = by.get(f"empty launch x{ds.PHASES * nl + 1}", float("nan"))
+    summary = dict(
+        served_us=served, layer_path_us=by["layer-by-layer (_decode, no stack)"], floor_us=weight_bytes / bw * 1e6,
+        phases_sum_us=phase_sum, barriers_and_handoffs_us=served - phase_sum,
+        launch_overhead_per_phase_us=empty / (ds.PHASES * nl + 1),
+    )
+    log("summary: " + ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(commit=commit(), device=torch.cuda.get_device_name(), shapes=args.shapes,
+                                   context=args.context, copy_bw_GB_s=bw / 1e9, weight_bytes=weight_bytes, rows=rows,
+                                   summary=summary, traces=traces, barrier_errors=flags,
+                                   date=time.strftime("%Y-%m-%d")), indent=1))
+    log(f"wrote {out}")
+    return 0 if flags == 0 else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--context", type=int, default=None,
                     help="cached positions before the step (default: 264 for 1b, 16 for csm-depth: mid-frame)")
     ap.add_argument("--out", default="bench/results/stack_probe.json")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the layer path, the stack as served and the prefetch variants, and traces")
     ap.add_argument("--ncu", action="store_true",
                     help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
                          "each (no timing, no graphs) and exit, e.g. ncu -k regex:_stack_kernel -c 1 ...")
@@ -178,6 +212,11 @@ def main() -> int:
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
+    for d in (4, 2):
+        row(f"stack, o + 1/{d} gate|up prefetched in the attention", stack(tune={"ATT_PREFETCH": d}), weight_bytes)
+    if args.quick:
+        return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
+                      (("served", None, sms), ("ATT_PREFETCH=4", {"ATT_PREFETCH": 4}, sms)))
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
     row(f"stack on {2 * sms} programs of 4 warps (two an SM)", stack(programs=2 * sms, tune={"WARPS": 4}), weight_bytes)
     base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,
@@ -198,33 +237,9 @@ def main() -> int:
         nbytes = per_kind[k].numel() * 2 * nl if per_kind[k] is not None else None
         row(f"phase {k} ({name}) x{nl}", stack(phases=[ds.PHASES * l + k for l in range(nl)]), nbytes)
     row(f"empty launch x{ds.PHASES * nl + 1}", stack(phases=[10 ** 6] * (ds.PHASES * nl + 1)), None)
-    traces = {}
-    for label, tune, programs in (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms),
-                                  ("two 4-warp programs an SM", {"WARPS": 4}, 2 * sms)):
-        try:
-            traces[label] = trace_table(ds, w, lambda tr, tune=tune, p=programs: stack(tune=tune, trace=tr, programs=p)(),
-                                        programs, cfg.n_layers, label)
-        except Exception as exc:
-            log(f"trace ({label}) failed: {exc!r}"[:200])
-    flags = ds.errors(w)
-    log(f"barrier errors: {flags}")
-    by = {r["name"]: r.get("us", float("nan")) for r in rows}  # (nan: the row failed)
-    phase_sum = sum(by[n] for n in by if n.startswith("phase "))
-    served = by["stack, as served"]
-    summary = dict(
-        served_us=served, layer_path_us=by["layer-by-layer (_decode, no stack)"], floor_us=weight_bytes / bw * 1e6,
-        phases_sum_us=phase_sum, barriers_and_handoffs_us=served - phase_sum,
-        launch_overhead_per_phase_us=by[f"empty launch x{ds.PHASES * nl + 1}"] / (ds.PHASES * nl + 1),
-    )
-    log("summary: " + ", ".join(f"{k} {v:.1f}" for k, v in summary.items()))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(commit=commit(), device=torch.cuda.get_device_name(), shapes=args.shapes,
-                                   context=args.context, copy_bw_GB_s=bw / 1e9, weight_bytes=weight_bytes, rows=rows,
-                                   summary=summary, traces=traces, barrier_errors=flags,
-                                   date=time.strftime("%Y-%m-%d")), indent=1))
-    log(f"wrote {out}")
-    return 0 if flags == 0 else 1
+    return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
+                  (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms), ("ATT_PREFETCH=4", {"ATT_PREFETCH": 4}, sms),
+                   ("two 4-warp programs an SM", {"WARPS": 4}, 2 * sms)))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ and walks the layers through five phases, separated by grid barriers (a monotoni
 Every GEMV gives each program cdiv(N, P) consecutive rows of the weight (one contiguous slice),
 and a phase is kept to few dependent trips to memory. An L2 prefetch of a later phase's weights
 before each barrier (``cp.async.bulk.prefetch.L2``) is a switch, off: on the H100 it cost time.
+ATT_PREFETCH asks the L2 for the o slices and part of the gate|up slices at the start of the
+attention phase instead, while the HBM is otherwise idle (a switch until measured).
 
 Numerics are the layer-by-layer kernels' (rmsnorm.add_rmsnorm, rotary.rotary_cache_write,
 decode_attention, gemv.swiglu): products accumulated in float32 and rounded to the activation
@@ -80,7 +82,7 @@ GB_POLL_${:uid}:
 GB_DONE_${:uid}:
 }"""
 # what decode_stack's ``tune`` may override (WARPS: 4 lets two programs share an SM, up to 2 x SMs programs)
-_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS"}
+_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS", "ATT_PREFETCH"}
 
 
 @functools.cache
@@ -333,6 +335,7 @@ def _kernels():
         GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
         EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
+        ATT_PREFETCH: tl.constexpr,  # > 0: at the attention phase's start, L2 prefetch of o and 1/this of gate|up
         TRACE: tl.constexpr,  # time stamps at every barrier (trace_ptr); slot 0 is the kernel's start
     ):
         pid = tl.program_id(0)
@@ -376,6 +379,14 @@ def _kernels():
             if (only < 0) | (only == NPH * layer + 1):
                 if BARRIER:  # q|k|v
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 1) * 4, TRACE)
+                if ATT_PREFETCH > 0:
+                    # The attention keeps ~M HKV NS programs busy on latency and the HBM idle: every
+                    # program asks the L2 for its o slice and 1/ATT_PREFETCH of its gate and up slices.
+                    _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, True)
+                    _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // ATT_PREFETCH,
+                              THREADS, True)
+                    _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // ATT_PREFETCH,
+                              THREADS, True)
                 dh = tl.arange(0, HALF_B)
                 dmh = dh < HALF
                 d = tl.arange(0, HD_B)
@@ -623,6 +634,8 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
             check(key not in ks or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
         meta.update(tune)
+        if x.element_size() != 2 or not gpu:  # the bulk prefetch: 2-byte elements, real GPU only
+            meta["ATT_PREFETCH"] = 0
     ns = meta["NS"]
     sc = w.scratch.get((p, ns))
     if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
@@ -702,7 +715,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
-        TRACE=False,
+        ATT_PREFETCH=0, TRACE=False,
     )
 
 

@@ -118,7 +118,7 @@ def test_both_barriers_give_the_same_step() -> None:
             torch.cuda.synchronize()
             assert torch.equal(got, want)
         # the first weight tiles loaded ahead of the barriers: the same products
-        for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}):
+        for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}, {"ATT_PREFETCH": 2}):
             got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune=tune)
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert ds.errors(model.stack) == 0
@@ -282,6 +282,11 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         assert traced.count("%globaltimer") == traced.count("%clock64") == 2 * 6 + 1
         assert "%globaltimer" not in ptx
         check_registers(traced, "traced", spill_limit=256)
+        # the attention-window prefetch: three more bulk prefetches (o, gate, up), once each
+        att = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ATT_PREFETCH": 4}, warps=ds._WARPS,
+                                divisible=aligned).asm["ptx"]
+        assert att.count("cp.async.bulk.prefetch.L2.global") == 6 + 3
+        check_registers(att, "att_prefetch")
         # two 4-warp programs an SM (the probe's WARPS=4): both fit the shared memory and registers
         meta4 = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 264, 2, False, False, warps=4)
         four = sm90.compile_sm90(k, sig, {**meta4, "BARRIER": True}, warps=4, divisible=aligned)
@@ -375,7 +380,7 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
     ref = run()
     for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32}),
                dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": False}), dict(prefetch=True),
-               dict(tune={"EARLY": 1}), dict(tune={"EARLY": 1, "GU_ONE_LOOP": False})):
+               dict(tune={"EARLY": 1}), dict(tune={"EARLY": 1, "GU_ONE_LOOP": False}), dict(tune={"ATT_PREFETCH": 4})):
         for got, want in zip(run(**kw), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # only the first layer's phases: the second layer's K/V stay as they were
