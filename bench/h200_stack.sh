@@ -4,7 +4,8 @@
 # variants and phases (bench/stack_probe.py), then text decode and the CSM frame with the stack off
 # and on, side by side (same weights, same call):
 #   PARTS="probe text csm ncu" bash bench/h200_stack.sh COMMIT [OUT_DIR]
-# PARTS picks the steps after the tests (all three by default: ~9 min, more than one call allows
+# STACK_TESTS=0 skips the tests (already passed at this commit); PROBE_ARGS, CSM_ARGS pass flags
+# (--quick, --skip-hf). PARTS picks the steps after the tests (all three by default: ~9 min, more than one call allows
 # on a cold machine; "probe text" and "csm" fit one call each).
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-probe text csm}"
@@ -12,7 +13,7 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 
 echo "== GPU tests of the stack kernel"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gpu tests/kernels/test_decode_stack.py \
+if [ "${STACK_TESTS:-1}" = 0 ] || timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gpu tests/kernels/test_decode_stack.py \
      tests/engines/test_transformer_kernels.py > "$work/stack_tests.log" 2>&1; then
   tail -3 "$work/stack_tests.log"
   if has probe; then
@@ -47,7 +48,7 @@ if timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gp
   if has csm; then
     for s in 0 csm; do
       echo "== CSM engine, REALTIME_STACK=$s"
-      REALTIME_STACK=$s timeout "${CSM_TIMEOUT:-150}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches 1 \
+      REALTIME_STACK=$s timeout "${CSM_TIMEOUT:-150}" python3 bench/csm_engine.py ${CSM_ARGS:-} --folder /tmp/csm1b --batches 1 \
         --variants graphed_kernels --frames 48 --out "$work/csm_stack_$s.json" > "$work/csm_stack_$s.log" 2>&1
       grep "^\[" "$work/csm_stack_$s.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|sampler choice" | cut -c1-300
     done
