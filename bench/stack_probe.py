@@ -131,7 +131,8 @@ def main() -> int:
                     help="cached positions before the step (default: 264 for 1b, 16 for csm-depth: mid-frame)")
     ap.add_argument("--out", default="bench/results/stack_probe.json")
     ap.add_argument("--quick", action="store_true",
-                    help="only the layer path, the stack as served and the prefetch variants, and traces")
+                    help="only the layer path, the stack as served, the prefetch and FMA variants, and traces")
+    ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
     ap.add_argument("--ncu", action="store_true",
                     help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
                          "each (no timing, no graphs) and exit, e.g. ncu -k regex:_stack_kernel -c 1 ...")
@@ -211,12 +212,17 @@ def main() -> int:
     row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
+    for name, tune in (("elementwise GEMV phases (FMA)", {"FMA": 1}), ("FMA, STAGES=6", {"FMA": 1, "STAGES": 6})):
+        row(f"stack, {name}", stack(tune=tune), weight_bytes)
+        with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
+            a, b = stack(tune=tune)().float(), stack()().float()
+        log(f"  {name}: max |diff| {float((a - b).abs().max()):.3g} (served max |h| {float(b.abs().max()):.3g})")
+    if args.quick:
+        return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
+                      () if args.no_trace else (("served", None, sms), ("FMA", {"FMA": 1}, sms)))
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     for d in (4, 2):
         row(f"stack, o + 1/{d} gate|up prefetched in the attention", stack(tune={"ATT_PREFETCH": d}), weight_bytes)
-    if args.quick:
-        return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                      (("served", None, sms), ("ATT_PREFETCH=4", {"ATT_PREFETCH": 4}, sms)))
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
     row(f"stack on {2 * sms} programs of 4 warps (two an SM)", stack(programs=2 * sms, tune={"WARPS": 4}), weight_bytes)
     base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,
@@ -238,7 +244,7 @@ def main() -> int:
         row(f"phase {k} ({name}) x{nl}", stack(phases=[ds.PHASES * l + k for l in range(nl)]), nbytes)
     row(f"empty launch x{ds.PHASES * nl + 1}", stack(phases=[10 ** 6] * (ds.PHASES * nl + 1)), None)
     return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                  (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms), ("ATT_PREFETCH=4", {"ATT_PREFETCH": 4}, sms),
+                  (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms), ("FMA", {"FMA": 1}, sms),
                    ("two 4-warp programs an SM", {"WARPS": 4}, 2 * sms)))
 
 

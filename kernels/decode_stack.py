@@ -82,7 +82,8 @@ GB_POLL_${:uid}:
 GB_DONE_${:uid}:
 }"""
 # what decode_stack's ``tune`` may override (WARPS: 4 lets two programs share an SM, up to 2 x SMs programs)
-_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS", "ATT_PREFETCH"}
+_TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS", "ATT_PREFETCH",
+            "FMA"}
 
 
 @functools.cache
@@ -224,16 +225,28 @@ def _kernels():
 
     @triton.jit
     def _rows_dot(x_ptr, stride_x, w_ptr, row0, R, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  STAGES: tl.constexpr, DOT_F32: tl.constexpr, w0, EARLY: tl.constexpr):
+                  STAGES: tl.constexpr, DOT_F32: tl.constexpr, w0, EARLY: tl.constexpr, FMA: tl.constexpr):
         # acc [16, BN] = x[0:M] (row stride stride_x) @ w[row0 : row0 + R].T: rows padded to 16 for tl.dot,
         # the K loop software-pipelined (STAGES tiles in flight). EARLY (0 or 1): w0 is the first
-        # K step's tile, already loaded (_tile0), and the loop starts at the second.
+        # K step's tile, already loaded (_tile0), and the loop starts at the second. FMA (one row
+        # only): elementwise products instead of tl.dot, so a K step stages x's BK values, not a
+        # [16, BK] tile that is 15/16 zeros (as many copies into shared memory as the weights').
         rm = tl.arange(0, 16)
         mm = rm < M
         rr = tl.arange(0, BN)
         rn = row0 + rr
         nm = (rr < R) & (rn < N)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * K
+        if FMA:
+            rk0 = tl.arange(0, BK)
+            part = tl.zeros([BN, BK], tl.float32)
+            if EARLY:
+                part += w0.to(tl.float32) * tl.load(x_ptr + rk0, cache_modifier=".cg").to(tl.float32)[None, :]
+            for i in tl.range(EARLY, K // BK, num_stages=STAGES):
+                rk = i * BK + rk0
+                w = tl.load(w_rows + rk[None, :], mask=nm[:, None], other=0.0)
+                part += w.to(tl.float32) * tl.load(x_ptr + rk, cache_modifier=".cg").to(tl.float32)[None, :]
+            return tl.where((rm == 0)[:, None], tl.sum(part, axis=1)[None, :], 0.0)
         acc = tl.zeros([16, BN], tl.float32)
         if EARLY:
             x = tl.load(x_ptr + rm[:, None] * stride_x + tl.arange(0, BK)[None, :], mask=mm[:, None], other=0.0,
@@ -248,7 +261,8 @@ def _kernels():
 
     @triton.jit
     def _rows_dot2(x_ptr, stride_x, w_ptr, w2_ptr, row0, R, N, K: tl.constexpr, M: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr, w0, w20, EARLY: tl.constexpr):
+                   BK: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr, w0, w20, EARLY: tl.constexpr,
+                   FMA: tl.constexpr):
         # _rows_dot for two weights of one shape in ONE K loop (gate and up): twice the bytes in
         # flight a stage, and one pipeline fill and drain instead of two.
         rm = tl.arange(0, 16)
@@ -257,6 +271,23 @@ def _kernels():
         rn = row0 + rr
         nm = (rr < R) & (rn < N)
         offs = rn[:, None].to(tl.int64) * K
+        if FMA:
+            rk0 = tl.arange(0, BK)
+            part = tl.zeros([BN, BK], tl.float32)
+            part2 = tl.zeros([BN, BK], tl.float32)
+            if EARLY:
+                x = tl.load(x_ptr + rk0, cache_modifier=".cg").to(tl.float32)[None, :]
+                part += w0.to(tl.float32) * x
+                part2 += w20.to(tl.float32) * x
+            for i in tl.range(EARLY, K // BK, num_stages=STAGES):
+                rk = i * BK + rk0
+                w = tl.load(w_ptr + offs + rk[None, :], mask=nm[:, None], other=0.0)
+                w2 = tl.load(w2_ptr + offs + rk[None, :], mask=nm[:, None], other=0.0)
+                x = tl.load(x_ptr + rk, cache_modifier=".cg").to(tl.float32)[None, :]
+                part += w.to(tl.float32) * x
+                part2 += w2.to(tl.float32) * x
+            first = (rm == 0)[:, None]
+            return tl.where(first, tl.sum(part, axis=1)[None, :], 0.0), tl.where(first, tl.sum(part2, axis=1)[None, :], 0.0)
         acc = tl.zeros([16, BN], tl.float32)
         acc2 = tl.zeros([16, BN], tl.float32)
         if EARLY:
@@ -335,6 +366,7 @@ def _kernels():
         GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
         EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
+        FMA: tl.constexpr,  # one row: the GEMV phases multiply elementwise (no [16, BK] x tiles; _rows_dot)
         ATT_PREFETCH: tl.constexpr,  # > 0: at the attention phase's start, L2 prefetch of o and 1/this of gate|up
         TRACE: tl.constexpr,  # time stamps at every barrier (trace_ptr); slot 0 is the kernel's start
     ):
@@ -369,7 +401,7 @@ def _kernels():
                         _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer) * 4, TRACE)
                 _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, DIM, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
-                acc = _rows_dot(priv, DIM, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY)
+                acc = _rows_dot(priv, DIM, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY, FMA)
                 rn = row0 + tl.arange(0, BN_QKV)
                 nm = (tl.arange(0, BN_QKV) < R_QKV) & (rn < NQKV)
                 tl.store(qkv_ptr + rm16[:, None] * NQKV + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
@@ -487,7 +519,8 @@ def _kernels():
                 w0 = _tile0(wo, row0, R_O, DIM, H * HD, BN_O, BK_O) if EARLY else 0
                 if BARRIER:  # the attention output
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 2) * 4, TRACE)
-                acc = _rows_dot(attn_ptr, H * HD, wo, row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES, DOT_F32, w0, EARLY)
+                acc = _rows_dot(attn_ptr, H * HD, wo, row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES, DOT_F32, w0, EARLY,
+                                FMA)
                 _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
             # ---- 3: post-attention norm + gate|up rows + SwiGLU
             if (only < 0) | (only == NPH * layer + 3):
@@ -501,11 +534,11 @@ def _kernels():
                 tl.debug_barrier()
                 if GU_ONE_LOOP:
                     gacc, uacc = _rows_dot2(priv, DIM, wg, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES,
-                                            DOT_F32, w0, w20, EARLY)
+                                            DOT_F32, w0, w20, EARLY, FMA)
                 else:
-                    gacc = _rows_dot(priv, DIM, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w0, EARLY)
+                    gacc = _rows_dot(priv, DIM, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w0, EARLY, FMA)
                     uacc = _rows_dot(priv, DIM, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w20,
-                                     EARLY)
+                                     EARLY, FMA)
                 out_t = act_ptr.dtype.element_ty
                 gv = gacc.to(out_t).to(tl.float32)
                 sv = (gv / (1.0 + tl.exp(-gv))).to(out_t).to(tl.float32)
@@ -521,7 +554,7 @@ def _kernels():
                 w0 = _tile0(wd, row0, R_D, DIM, I, BN_D, BK_D) if EARLY else 0
                 if BARRIER:  # the SwiGLU rows
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 4) * 4, TRACE)
-                acc = _rows_dot(act_ptr, I, wd, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32, w0, EARLY)
+                acc = _rows_dot(act_ptr, I, wd, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32, w0, EARLY, FMA)
                 _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
                 if layer + 1 < L:
                     _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS,
@@ -636,6 +669,8 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
         meta.update(tune)
         if x.element_size() != 2 or not gpu:  # the bulk prefetch: 2-byte elements, real GPU only
             meta["ATT_PREFETCH"] = 0
+        if m != 1:  # the elementwise GEMV phases take one row
+            meta["FMA"] = 0
     ns = meta["NS"]
     sc = w.scratch.get((p, ns))
     if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
@@ -715,7 +750,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
-        ATT_PREFETCH=0, TRACE=False,
+        FMA=0, ATT_PREFETCH=0, TRACE=False,
     )
 
 

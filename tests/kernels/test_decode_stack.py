@@ -287,6 +287,10 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
                                 divisible=aligned).asm["ptx"]
         assert att.count("cp.async.bulk.prefetch.L2.global") == 6 + 3
         check_registers(att, "att_prefetch")
+        # the elementwise GEMV phases (one row): still software-pipelined, less shared memory, fits
+        fma = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "FMA": 1}, warps=ds._WARPS, divisible=aligned)
+        assert "cp.async.cg.shared.global" in fma.asm["ptx"] and fma.metadata.shared < c.metadata.shared
+        check_registers(fma.asm["ptx"], "fma", spill_limit=256)
         # two 4-warp programs an SM (the probe's WARPS=4): both fit the shared memory and registers
         meta4 = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 264, 2, False, False, warps=4)
         four = sm90.compile_sm90(k, sig, {**meta4, "BARRIER": True}, warps=4, divisible=aligned)
@@ -382,6 +386,16 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
                dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": False}), dict(prefetch=True),
                dict(tune={"EARLY": 1}), dict(tune={"EARLY": 1, "GU_ONE_LOOP": False}), dict(tune={"ATT_PREFETCH": 4})):
         for got, want in zip(run(**kw), ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # one row: the elementwise GEMV phases (FMA), with the first tiles early and gate, up apart
+    def run1(**kw):  # noqa: ANN003, ANN202
+        k, v = cache.k.clone(), cache.v.clone()
+        return ds.decode_stack(w, x[1:], pos[1:], k, v, slots[1:], cos, sin, programs=3, **kw), k, v
+
+    ref1 = run1()
+    for tune in ({"FMA": 1}, {"FMA": 1, "EARLY": 1}, {"FMA": 1, "GU_ONE_LOOP": False}, {"FMA": 1, "EARLY": 1,
+                                                                                       "GU_ONE_LOOP": False}):
+        for got, want in zip(run1(tune=tune), ref1):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # only the first layer's phases: the second layer's K/V stay as they were
     _, k, _ = run(phases=list(range(ds.PHASES)))
