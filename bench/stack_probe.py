@@ -92,6 +92,44 @@ def trace_table(ds, w, step, programs: int, n_layers: int, label: str) -> dict: 
     return dict(kernel_us=kernel_us, clock_hz=hz, kinds=kinds, sites=sites)
 
 
+def plot_traces(result: dict, png: Path) -> None:
+    """Bar chart of a probe result's traced steps: per phase kind, the slowest program's work summed
+    over the layers (µs) for each traced variant, next to the time the phase's weight bytes take at
+    the measured copy bandwidth; the title names the GPU, commit and step times."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = result.get("traces") or {}
+    if not traces:
+        return
+    kinds = next(iter(traces.values()))["kinds"]
+    names = [k["name"] for k in kinds]
+    layers = SHAPES[result["shapes"]]["n_layers"]
+    cfg = SHAPES[result["shapes"]]
+    dim, inter, hd = cfg["dim"], cfg["intermediate_size"], cfg["head_dim"]
+    qkv = (cfg["n_heads"] + 2 * cfg["n_kv_heads"]) * hd * dim
+    per_layer = [qkv, 0, dim * cfg["n_heads"] * hd, 2 * inter * dim, dim * inter]  # weight elements a phase reads
+    floor = [n * 2 * layers / (result["copy_bw_GB_s"] * 1e9) * 1e6 for n in per_layer]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / (len(traces) + 1)
+    xs = range(len(names))
+    for i, (label, t) in enumerate(traces.items()):
+        ax.bar([x + i * width for x in xs], [k["work_max_us"] for k in t["kinds"]], width,
+               label=f"{label}: slowest program ({t['kernel_us']:.0f} µs a step)")
+    ax.bar([x + len(traces) * width for x in xs], floor, width, color="0.7", label="its weight bytes at the copy bandwidth")
+    ax.set_xticks([x + width * len(traces) / 2 for x in xs], names)
+    ax.set_ylabel(f"µs, summed over {layers} layers")
+    served = {r["name"]: r.get("us") for r in result["rows"]}
+    ax.set_title(f"decode stack phases, {result['shapes']} batch 1, {result['device']} ({result['date']}, {result['commit']}); "
+                 f"layer path {served.get('layer-by-layer (_decode, no stack)', float('nan')):.0f} µs", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def finish(args, ds, w, cfg, bw: float, weight_bytes: int, sms: int, rows: list, stack, traced) -> int:  # noqa: ANN001
     """The traced steps (``traced``: (label, tune, programs) each), the summary, the JSON; the exit code."""
     nl = cfg.n_layers
@@ -121,6 +159,9 @@ def finish(args, ds, w, cfg, bw: float, weight_bytes: int, sms: int, rows: list,
                                    summary=summary, traces=traces, barrier_errors=flags,
                                    date=time.strftime("%Y-%m-%d")), indent=1))
     log(f"wrote {out}")
+    if traces:
+        plot_traces(json.loads(out.read_text()), out.with_suffix(".png"))
+        log(f"wrote {out.with_suffix('.png')}")
     return 0 if flags == 0 else 1
 
 
@@ -133,10 +174,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true",
                     help="only the layer path, the stack as served, the prefetch and FMA variants, and traces")
     ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
+    ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--ncu", action="store_true",
                     help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
                          "each (no timing, no graphs) and exit, e.g. ncu -k regex:_stack_kernel -c 1 ...")
     args = ap.parse_args()
+    if args.plot:  # no GPU needed
+        png = Path(args.plot).with_suffix(".png")
+        plot_traces(json.loads(Path(args.plot).read_text()), png)
+        print(f"wrote {png}")
+        return 0
     if args.context is None:
         args.context = 16 if args.shapes == "csm-depth" else 264
     if not torch.cuda.is_available():
