@@ -259,17 +259,22 @@ def main() -> int:
     row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
-    for name, tune in (("elementwise GEMV phases (FMA)", {"FMA": 1}), ("FMA, STAGES=6", {"FMA": 1, "STAGES": 6})):
+    for name, tune in (("elementwise GEMV phases (FMA)", {"FMA": 1}), ("FMA, STAGES=6", {"FMA": 1, "STAGES": 6}),
+                       ("idle programs prefetch o + 1/4 gate|up (ATT_PREFETCH=4)", {"ATT_PREFETCH": 4}),
+                       ("FMA + ATT_PREFETCH=4", {"FMA": 1, "ATT_PREFETCH": 4})):
         row(f"stack, {name}", stack(tune=tune), weight_bytes)
-        with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
-            a, b = stack(tune=tune)().float(), stack()().float()
-        log(f"  {name}: max |diff| {float((a - b).abs().max()):.3g} (served max |h| {float(b.abs().max()):.3g})")
+        try:
+            with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
+                a, b = stack(tune=tune)().float(), stack()().float()
+            log(f"  {name}: max |diff| {float((a - b).abs().max()):.3g} (served max |h| {float(b.abs().max()):.3g})")
+        except Exception as exc:  # (its row already says it failed)
+            log(f"  {name}: no comparison: {exc!r}"[:200])
     if args.quick:
         return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                      () if args.no_trace else (("served", None, sms), ("FMA", {"FMA": 1}, sms)))
+                      () if args.no_trace else (("served", None, sms), ("FMA", {"FMA": 1}, sms),
+                                                ("FMA + ATT_PREFETCH=4", {"FMA": 1, "ATT_PREFETCH": 4}, sms)))
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
-    for d in (4, 2):
-        row(f"stack, o + 1/{d} gate|up prefetched in the attention", stack(tune={"ATT_PREFETCH": d}), weight_bytes)
+    row("stack, idle programs prefetch o + 1/2 gate|up", stack(tune={"ATT_PREFETCH": 2}), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
     row(f"stack on {2 * sms} programs of 4 warps (two an SM)", stack(programs=2 * sms, tune={"WARPS": 4}), weight_bytes)
     base = ds.launch_meta(1, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.n_layers,

@@ -17,8 +17,10 @@ and walks the layers through five phases, separated by grid barriers (a monotoni
 Every GEMV gives each program cdiv(N, P) consecutive rows of the weight (one contiguous slice),
 and a phase is kept to few dependent trips to memory. An L2 prefetch of a later phase's weights
 before each barrier (``cp.async.bulk.prefetch.L2``) is a switch, off: on the H100 it cost time.
-ATT_PREFETCH asks the L2 for the o slices and part of the gate|up slices at the start of the
-attention phase instead, while the HBM is otherwise idle (a switch until measured).
+ATT_PREFETCH has the programs with no attention work ask the L2 for the o slices and part of
+the gate|up slices at the start of the attention phase, while the HBM is otherwise idle (a
+switch until measured; its first form, every program prefetching its own slices with a request
+a thread, lengthened the attention on an H100).
 
 Numerics are the layer-by-layer kernels' (rmsnorm.add_rmsnorm, rotary.rotary_cache_write,
 decode_attention, gemv.swiglu): products accumulated in float32 and rounded to the activation
@@ -146,12 +148,13 @@ def _kernels():
         return tl.maximum(tl.minimum(R, N - pid * R), 0)
 
     @triton.jit
-    def _prefetch(ptr, n_elems, THREADS: tl.constexpr, ON: tl.constexpr):
-        # L2 prefetch of n_elems elements from ptr: one bulk request per thread (THREADS = the
-        # program's threads, so each element of the arange is one thread's: no request repeats).
+    def _prefetch(ptr, n_elems, THREADS: tl.constexpr, ON: tl.constexpr, SPLIT: tl.constexpr = 0):
+        # L2 prefetch of n_elems elements from ptr in SPLIT bulk requests (0: THREADS), one per thread
+        # (THREADS = the program's threads, so each element of the arange is one thread's: no request
+        # repeats; threads past the last request issue none).
         if ON:
             n = n_elems // 8 * 8  # whole 16-byte units (2-byte elements): the size's required granule
-            per = (tl.cdiv(n, THREADS) + 7) // 8 * 8
+            per = (tl.cdiv(n, SPLIT if SPLIT > 0 else THREADS) + 7) // 8 * 8
             offs = tl.arange(0, THREADS) * per
             size = (tl.minimum(tl.maximum(n - offs, 0), per) * 2).to(tl.int32)  # bytes (bf16/fp16)
             tl.inline_asm_elementwise(
@@ -367,7 +370,7 @@ def _kernels():
         EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
         FMA: tl.constexpr,  # one row: the GEMV phases multiply elementwise (no [16, BK] x tiles; _rows_dot)
-        ATT_PREFETCH: tl.constexpr,  # > 0: at the attention phase's start, L2 prefetch of o and 1/this of gate|up
+        ATT_PREFETCH: tl.constexpr,  # > 0: idle programs L2-prefetch o and 1/this of gate|up at the attention's start
         TRACE: tl.constexpr,  # time stamps at every barrier (trace_ptr); slot 0 is the kernel's start
     ):
         pid = tl.program_id(0)
@@ -412,13 +415,22 @@ def _kernels():
                 if BARRIER:  # q|k|v
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 1) * 4, TRACE)
                 if ATT_PREFETCH > 0:
-                    # The attention keeps ~M HKV NS programs busy on latency and the HBM idle: every
-                    # program asks the L2 for its o slice and 1/ATT_PREFETCH of its gate and up slices.
-                    _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, True)
-                    _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // ATT_PREFETCH,
-                              THREADS, True)
-                    _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // ATT_PREFETCH,
-                              THREADS, True)
+                    # The attention keeps the first M HKV NS programs busy on latency and the HBM idle:
+                    # the others ask the L2 for every program's o slice and 1/ATT_PREFETCH of its gate
+                    # and up slices (idle program j covers programs j, j + idle, ...), 8 requests a
+                    # slice, so nothing is added to the attention's critical path.
+                    BUSY: tl.constexpr = M * HKV * NS
+                    if (P > BUSY) & (pid >= BUSY):
+                        IDLE: tl.constexpr = P - BUSY
+                        for c in tl.static_range((P + IDLE - 1) // IDLE):
+                            q = pid - BUSY + c * IDLE
+                            if q < P:
+                                _prefetch(wo_ptr + (l64 * DIM + q * R_O) * (H * HD), _own(q, R_O, DIM) * H * HD, THREADS,
+                                          True, 8)
+                                _prefetch(wgu_ptr + (l64 * 2 * I + q * R_GU) * DIM, _own(q, R_GU, I) * DIM // ATT_PREFETCH,
+                                          THREADS, True, 8)
+                                _prefetch(wgu_ptr + (l64 * 2 * I + I + q * R_GU) * DIM,
+                                          _own(q, R_GU, I) * DIM // ATT_PREFETCH, THREADS, True, 8)
                 dh = tl.arange(0, HALF_B)
                 dmh = dh < HALF
                 d = tl.arange(0, HD_B)
