@@ -261,7 +261,9 @@ def main() -> int:
     row("stack, as served", stack(), weight_bytes)
     for name, tune in (("elementwise GEMV phases (FMA)", {"FMA": 1}), ("FMA, STAGES=6", {"FMA": 1, "STAGES": 6}),
                        ("idle programs prefetch o + 1/4 gate|up (ATT_PREFETCH=4)", {"ATT_PREFETCH": 4}),
-                       ("FMA + ATT_PREFETCH=4", {"FMA": 1, "ATT_PREFETCH": 4})):
+                       ("FMA + ATT_PREFETCH=4", {"FMA": 1, "ATT_PREFETCH": 4}),
+                       ("attention rows prefetched before its barrier (ATT_EARLY)", {"ATT_EARLY": 1}),
+                       ("FMA + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 1, "ATT_PREFETCH": 4, "ATT_EARLY": 1})):
         row(f"stack, {name}", stack(tune=tune), weight_bytes)
         try:
             with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
@@ -272,7 +274,8 @@ def main() -> int:
     if args.quick:
         return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
                       () if args.no_trace else (("served", None, sms), ("FMA", {"FMA": 1}, sms),
-                                                ("FMA + ATT_PREFETCH=4", {"FMA": 1, "ATT_PREFETCH": 4}, sms)))
+                                                ("FMA + ATT_PREFETCH=4 + ATT_EARLY",
+                                                 {"FMA": 1, "ATT_PREFETCH": 4, "ATT_EARLY": 1}, sms)))
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     row("stack, idle programs prefetch o + 1/2 gate|up", stack(tune={"ATT_PREFETCH": 2}), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)

@@ -85,7 +85,7 @@ GB_DONE_${:uid}:
 }"""
 # what decode_stack's ``tune`` may override (WARPS: 4 lets two programs share an SM, up to 2 x SMs programs)
 _TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS", "ATT_PREFETCH",
-            "FMA"}
+            "FMA", "ATT_EARLY"}
 
 
 @functools.cache
@@ -369,6 +369,7 @@ def _kernels():
         GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
         EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
+        ATT_EARLY: tl.constexpr,  # the attention's K/V and angle rows L2-prefetched before its barrier
         FMA: tl.constexpr,  # one row: the GEMV phases multiply elementwise (no [16, BK] x tiles; _rows_dot)
         ATT_PREFETCH: tl.constexpr,  # > 0: idle programs L2-prefetch o and 1/this of gate|up at the attention's start
         TRACE: tl.constexpr,  # time stamps at every barrier (trace_ptr); slot 0 is the kernel's start
@@ -412,6 +413,21 @@ def _kernels():
                 _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, PREFETCH)
             # ---- 1: RoPE, cache write, split attention
             if (only < 0) | (only == NPH * layer + 1):
+                if ATT_EARLY:
+                    # What the program's first attention item reads and q|k|v does not write: its
+                    # keys' and values' rows and the angle rows, asked of the L2 before the barrier.
+                    if pid < M * HKV * NS:
+                        m0 = pid // (HKV * NS)
+                        p0 = tl.load(pos_ptr + m0)
+                        lo0 = (pid % NS) * CHUNK
+                        hi0 = tl.minimum(lo0 + CHUNK, tl.minimum(p0 + 1, TMAX))
+                        if lo0 < hi0:
+                            kb0 = layer * sk_l + tl.load(slots_ptr + m0) * sk_s + ((pid // NS) % HKV) * sk_h + lo0 * sk_t
+                            span = (hi0 - lo0 - 1) * sk_t + HD
+                            _prefetch(k_ptr + kb0, span, THREADS, True, 2)
+                            _prefetch(v_ptr + kb0, span, THREADS, True, 2)
+                            _prefetch(cos_ptr + p0 * s_tab, HD, THREADS, True, 1)
+                            _prefetch(sin_ptr + p0 * s_tab, HD, THREADS, True, 1)
                 if BARRIER:  # q|k|v
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 1) * 4, TRACE)
                 if ATT_PREFETCH > 0:
@@ -679,8 +695,8 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
             check(key not in ks or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
         meta.update(tune)
-        if x.element_size() != 2 or not gpu:  # the bulk prefetch: 2-byte elements, real GPU only
-            meta["ATT_PREFETCH"] = 0
+        if x.element_size() != 2 or k_cache.element_size() != 2 or not gpu:  # bulk prefetches: 2-byte, GPU only
+            meta["ATT_PREFETCH"] = meta["ATT_EARLY"] = 0
         if m != 1:  # the elementwise GEMV phases take one row
             meta["FMA"] = 0
     ns = meta["NS"]
@@ -762,7 +778,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
-        FMA=0, ATT_PREFETCH=0, TRACE=False,
+        FMA=0, ATT_PREFETCH=0, ATT_EARLY=0, TRACE=False,
     )
 
 

@@ -118,7 +118,7 @@ def test_both_barriers_give_the_same_step() -> None:
             torch.cuda.synchronize()
             assert torch.equal(got, want)
         # the first weight tiles loaded ahead of the barriers: the same products
-        for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}, {"ATT_PREFETCH": 2}):
+        for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}, {"ATT_PREFETCH": 2}, {"ATT_EARLY": 1}):
             got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune=tune)
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert ds.errors(model.stack) == 0
@@ -292,6 +292,11 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         fma = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "FMA": 1}, warps=ds._WARPS, divisible=aligned)
         assert "cp.async.cg.shared.global" in fma.asm["ptx"] and fma.metadata.shared < c.metadata.shared
         check_registers(fma.asm["ptx"], "fma", spill_limit=256)
+        # the attention's K/V and angle rows prefetched before its barrier: four more requests
+        early_att = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ATT_EARLY": 1}, warps=ds._WARPS,
+                                      divisible=aligned).asm["ptx"]
+        assert early_att.count("cp.async.bulk.prefetch.L2.global") == 6 + 4
+        check_registers(early_att, "att_early")
         # two 4-warp programs an SM (the probe's WARPS=4): both fit the shared memory and registers
         meta4 = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 264, 2, False, False, warps=4)
         four = sm90.compile_sm90(k, sig, {**meta4, "BARRIER": True}, warps=4, divisible=aligned)
@@ -385,7 +390,8 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
     ref = run()
     for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32}),
                dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": False}), dict(prefetch=True),
-               dict(tune={"EARLY": 1}), dict(tune={"EARLY": 1, "GU_ONE_LOOP": False}), dict(tune={"ATT_PREFETCH": 4})):
+               dict(tune={"EARLY": 1}), dict(tune={"EARLY": 1, "GU_ONE_LOOP": False}), dict(tune={"ATT_PREFETCH": 4}),
+               dict(tune={"ATT_EARLY": 1})):
         for got, want in zip(run(**kw), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # one row: the elementwise GEMV phases (FMA), with the first tiles early and gate, up apart
