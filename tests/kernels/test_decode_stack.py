@@ -96,28 +96,33 @@ def test_stack_equals_layer_by_layer_on_cuda(dtype: torch.dtype, tol: float, row
     assert errors(model.stack) == 0
 
 
+def _cuda_stack(slots: list[int], pos: list[int]):  # noqa: ANN202
+    """A bf16 CFG model on CUDA with the stack on, its cache, and one step's inputs for these rows:
+    (model, cache, slots, pos, x, cos, sin)."""
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval().to("cuda", torch.bfloat16)
+    model.fuse_projections()
+    assert model.enable_decode_stack()
+    cache = KVCache(CFG, n_slots=4, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(len(slots), CFG.dim, device="cuda", dtype=torch.bfloat16)
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    return model, cache, torch.tensor(slots, device="cuda"), torch.tensor(pos, device="cuda"), x, cos, sin
+
+
 @pytest.mark.gpu
 def test_both_barriers_give_the_same_step() -> None:
     """The barrier polled by every thread (ONE_POLLER off) computes the step the default one-poller
     barrier does, bit for bit, over repeated launches (the counters keep growing); no timeouts."""
     from realtime.kernels import decode_stack as ds
 
-    torch.manual_seed(0)
-    model = Transformer(CFG).eval().to("cuda", torch.bfloat16)
-    model.fuse_projections()
-    assert model.enable_decode_stack()
-    cache = KVCache(CFG, n_slots=4, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
-    slots = torch.tensor([2, 0, 3], device="cuda")
-    pos = torch.tensor([5, 90, 17], device="cuda")
-    x = torch.randn(3, CFG.dim, device="cuda", dtype=torch.bfloat16)
-    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    model, cache, slots, pos, x, cos, sin = _cuda_stack([2, 0, 3], [5, 90, 17])
     with torch.no_grad():
         want = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
         for _ in range(3):
             got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune={"ONE_POLLER": False})
             torch.cuda.synchronize()
             assert torch.equal(got, want)
-        # the first weight tiles loaded ahead of the barriers: the same products
+        # the first weight tiles loaded ahead of the barriers, the L2 prefetches: the same products
         for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}, {"ATT_PREFETCH": 2}, {"ATT_EARLY": 1}):
             got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune=tune)
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
@@ -130,15 +135,7 @@ def test_two_programs_an_sm_give_the_step_and_too_many_are_refused() -> None:
     the GPU cannot hold at once (the barrier would wait forever) is refused before it launches."""
     from realtime.kernels import decode_stack as ds
 
-    torch.manual_seed(0)
-    model = Transformer(CFG).eval().to("cuda", torch.bfloat16)
-    model.fuse_projections()
-    assert model.enable_decode_stack()
-    cache = KVCache(CFG, n_slots=4, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
-    slots = torch.tensor([2, 0], device="cuda")
-    pos = torch.tensor([33, 120], device="cuda")
-    x = torch.randn(2, CFG.dim, device="cuda", dtype=torch.bfloat16)
-    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    model, cache, slots, pos, x, cos, sin = _cuda_stack([2, 0], [33, 120])
     sms = ds.default_programs(x.device)
     with torch.no_grad():
         want = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
@@ -157,15 +154,7 @@ def test_traced_step_is_the_step_and_its_stamps_are_ordered() -> None:
     barrier site and a plausible SM clock."""
     from realtime.kernels import decode_stack as ds
 
-    torch.manual_seed(0)
-    model = Transformer(CFG).eval().to("cuda", torch.bfloat16)
-    model.fuse_projections()
-    assert model.enable_decode_stack()
-    cache = KVCache(CFG, n_slots=4, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
-    slots = torch.tensor([1, 3], device="cuda")
-    pos = torch.tensor([40, 7], device="cuda")
-    x = torch.randn(2, CFG.dim, device="cuda", dtype=torch.bfloat16)
-    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    model, cache, slots, pos, x, cos, sin = _cuda_stack([1, 3], [40, 7])
     p = ds.default_programs(x.device)
     trace = torch.zeros((p, ds.PHASES * CFG.n_layers + 1, 4), dtype=torch.int64, device="cuda")
     with torch.no_grad():
