@@ -5,8 +5,8 @@
 # and on, side by side (same weights, same call):
 #   PARTS="probe text csm ncu" bash bench/h200_stack.sh COMMIT [OUT_DIR]
 # STACK_TESTS=0 skips the tests (already passed at this commit); PROBE_ARGS, CSM_ARGS pass flags
-# (--quick, --skip-hf). PARTS picks the steps after the tests (all three by default: ~9 min, more than one call allows
-# on a cold machine; "probe text" and "csm" fit one call each).
+# (--quick, --skip-hf). PARTS picks the steps after the tests (probe, text, csm by default: ~9 min,
+# more than one call allows on a cold machine; "probe text" and "csm" fit one call each; ncu).
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-probe text csm}"
 has() { [[ " $parts " == *" $1 "* ]]; }
@@ -15,7 +15,7 @@ echo "== GPU tests of the stack kernel"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 if [ "${STACK_TESTS:-1}" = 0 ] || timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gpu tests/kernels/test_decode_stack.py \
      tests/engines/test_transformer_kernels.py > "$work/stack_tests.log" 2>&1; then
-  tail -3 "$work/stack_tests.log"
+  [ -f "$work/stack_tests.log" ] && tail -3 "$work/stack_tests.log"
   if has probe; then
     for shapes in ${PROBE_SHAPES:-1b}; do  # 1b (Llama-3.2-1B) and/or csm-depth (CSM's depth decoder)
       echo "== stack probe ($shapes shapes, batch 1)"

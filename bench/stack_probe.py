@@ -172,7 +172,8 @@ def main() -> int:
                     help="cached positions before the step (default: 264 for 1b, 16 for csm-depth: mid-frame)")
     ap.add_argument("--out", default="bench/results/stack_probe.json")
     ap.add_argument("--quick", action="store_true",
-                    help="only the layer path, the stack as served, the prefetch and FMA variants, and traces")
+                    help="only the layer path, the stack as served, the FMA / ATT_PREFETCH / ATT_EARLY variants "
+                         "(each checked against the served step), and traces")
     ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--ncu", action="store_true",

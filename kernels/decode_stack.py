@@ -665,7 +665,8 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
 
     For probes (bench/stack_probe.py): ``phases`` launches just those phases, one a launch, with no
     grid barrier (also on the GPU; all of them, in order, compute the step); ``tune`` overrides
-    launch_meta's tile constexprs (STAGES, BK_*, GU_ONE_LOOP, ONE_POLLER, EARLY); ``trace`` (int64
+    launch_meta's switches and tiles (the keys of ``_TUNABLE``; WARPS sets the program's warps);
+    ``trace`` (int64
     [P, PHASES L + 1, 4], one-launch form on the GPU only) receives each program's arrival and
     release times at every barrier: SM cycles in [..., 0:2], global ns in [..., 2:4]; [:, 0, 1] and
     [:, 0, 3] are the kernel's start (``trace_summary`` reads it)."""
@@ -714,8 +715,8 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     if gpu and phases is None:
         use_pdl = pdl(x)
         meta["TRACE"] = trace is not None
-        slots = _resident_programs(kernel, args, p, warps, use_pdl, meta, x.device)
-        check(p <= slots, f"{p} programs of {warps} warps cannot all be resident on this GPU ({slots} at most)")
+        fit = _resident_programs(kernel, args, p, warps, use_pdl, meta, x.device)
+        check(p <= fit, f"{p} programs of {warps} warps cannot all be resident on this GPU ({fit} at most)")
         kernel[(p,)](*args, -1, BARRIER=True, PDL=use_pdl, num_warps=warps, num_stages=1, launch_pdl=use_pdl, **meta)
     else:
         for ph in range(PHASES * nl + 1) if phases is None else phases:  # the launch boundary is the barrier

@@ -45,7 +45,7 @@ def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor
 @functools.cache
 def _kernels():
     # The jit'd functions resolve `tl`, `libdevice` and the helper through module globals.
-    global triton, tl, libdevice, _hash32, _row_key, _row_temp, _row_setup, _gumbel, _pdl_enter
+    global triton, tl, libdevice, _hash32, _row_key, _row_temp, _row_setup, _radix_digit, _gumbel, _pdl_enter
     import triton
     import triton.language as tl
     _pdl_enter = pdl_jit()
@@ -86,6 +86,16 @@ def _kernels():
         k = tl.load(topk_ptr + row)
         topk_on = (k > 0) & (k < V) & (temp > 0) & (~greedy)
         return temp, greedy, k, topk_on, _row_key(seed_ptr, step_ptr, row)
+
+    @triton.jit
+    def _radix_digit(hist, bins, k_rem, thr, shift):
+        # One radix-select pass: hist [bins] counts the digit at ``shift`` among the keys that share
+        # the bits chosen so far; the digit holding the k_rem-th largest joins thr, and k_rem drops
+        # by the keys with a larger digit. -> (k_rem, thr)
+        ge = tl.cumsum(hist, 0, reverse=True)  # ge[d] = #group keys with digit >= d
+        dsel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
+        above = tl.sum(tl.where(bins == dsel, ge - hist, 0), 0)  # keys with a larger digit
+        return k_rem - above, thr | (dsel.to(tl.uint32) << shift)
 
     @triton.jit
     def _gumbel(key, idx, LIBDEVICE_LOG: tl.constexpr):
@@ -140,11 +150,7 @@ def _kernels():
                         grp = valid & (((okey ^ thr) >> (shift + 8)) == 0)
                     digit = ((okey >> shift) & 0xFF).to(tl.int32)
                     hist += tl.histogram(digit, 256, mask=grp)
-                ge = tl.cumsum(hist, 0, reverse=True)  # ge[d] = #group entries with digit >= d
-                dsel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
-                above = tl.sum(tl.where(bins == dsel, ge - hist, 0), 0)  # entries with a larger digit
-                k_rem = k_rem - above
-                thr = thr | (dsel.to(tl.uint32) << shift)
+                k_rem, thr = _radix_digit(hist, bins, k_rem, thr, shift)
 
         best = tl.full([], float("-inf"), tl.float32)
         best_idx = tl.full([], 0, tl.int64)
@@ -228,10 +234,7 @@ def _kernels():
                     else:
                         grp = valid & (((okey ^ thr) >> (shift + DIGIT_BITS)) == 0)
                     hist = tl.histogram(((okey >> shift) & (NB - 1)).to(tl.int32), NB, mask=grp)
-                    ge = tl.cumsum(hist, 0, reverse=True)  # ge[d] = #group keys with digit >= d
-                    dsel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
-                    k_rem = k_rem - tl.sum(tl.where(bins == dsel, ge - hist, 0), 0)  # minus the larger digits
-                    thr = thr | (dsel.to(tl.uint32) << shift)
+                    k_rem, thr = _radix_digit(hist, bins, k_rem, thr, shift)
         eq = valid & (okey == thr)
         eq_i = eq.to(tl.int32)
         tie_rank = tl.cumsum(eq_i, 0) - eq_i
