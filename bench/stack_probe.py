@@ -172,8 +172,8 @@ def main() -> int:
                     help="cached positions before the step (default: 264 for 1b, 16 for csm-depth: mid-frame)")
     ap.add_argument("--out", default="bench/results/stack_probe.json")
     ap.add_argument("--quick", action="store_true",
-                    help="only the layer path, the stack as served, the FMA / ATT_PREFETCH / ATT_EARLY variants "
-                         "(each checked against the served step), and traces")
+                    help="only the layer path (timed first and last), the stack as served, the FMA / ATT_PREFETCH / "
+                         "ATT_EARLY / ATT_REGS variants (each checked against the served step), and traces")
     ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--ncu", action="store_true",
@@ -260,11 +260,15 @@ def main() -> int:
     row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
-    for name, tune in (("elementwise GEMV phases (FMA)", {"FMA": 1}), ("FMA, STAGES=6", {"FMA": 1, "STAGES": 6}),
-                       ("idle programs prefetch o + 1/4 gate|up (ATT_PREFETCH=4)", {"ATT_PREFETCH": 4}),
-                       ("FMA + ATT_PREFETCH=4", {"FMA": 1, "ATT_PREFETCH": 4}),
-                       ("attention rows prefetched before its barrier (ATT_EARLY)", {"ATT_EARLY": 1}),
-                       ("FMA + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 1, "ATT_PREFETCH": 4, "ATT_EARLY": 1})):
+    pf = {"ATT_PREFETCH": 4}
+    for name, tune in (("elementwise GEMV phases (FMA=15)", {"FMA": 15}),
+                       ("elementwise o and down only (FMA=10)", {"FMA": 10}),
+                       ("FMA=10 + ATT_PREFETCH=4", {"FMA": 10, **pf}),
+                       ("FMA=15 + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 15, **pf, "ATT_EARLY": 1}),
+                       ("attention key block in registers (ATT_REGS)", {"ATT_REGS": 1}),
+                       ("FMA=10 + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 10, **pf, "ATT_REGS": 1}),
+                       ("FMA=15 + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 15, **pf, "ATT_REGS": 1}),
+                       ("FMA=10 + ATT_PREFETCH=2 + ATT_REGS", {"FMA": 10, "ATT_PREFETCH": 2, "ATT_REGS": 1})):
         row(f"stack, {name}", stack(tune=tune), weight_bytes)
         try:
             with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
@@ -272,11 +276,15 @@ def main() -> int:
             log(f"  {name}: max |diff| {float((a - b).abs().max()):.3g} (served max |h| {float(b.abs().max()):.3g})")
         except Exception as exc:  # (its row already says it failed)
             log(f"  {name}: no comparison: {exc!r}"[:200])
+    model.stack = None  # again, after the variants: how far the layer path's time drifted in this call
+    row("layer-by-layer (_decode, no stack), again", lambda: model._decode(step_x[:, None], pos, cache, slots),
+        weight_bytes)
+    model.stack = saved
     if args.quick:
         return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                      () if args.no_trace else (("served", None, sms), ("FMA", {"FMA": 1}, sms),
-                                                ("FMA + ATT_PREFETCH=4 + ATT_EARLY",
-                                                 {"FMA": 1, "ATT_PREFETCH": 4, "ATT_EARLY": 1}, sms)))
+                      () if args.no_trace else (("served", None, sms), ("FMA=10 + ATT_PREFETCH=4", {"FMA": 10, **pf}, sms),
+                                                ("FMA=10 + ATT_PREFETCH=4 + ATT_REGS",
+                                                 {"FMA": 10, **pf, "ATT_REGS": 1}, sms)))
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     row("stack, idle programs prefetch o + 1/2 gate|up", stack(tune={"ATT_PREFETCH": 2}), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
@@ -300,7 +308,7 @@ def main() -> int:
         row(f"phase {k} ({name}) x{nl}", stack(phases=[ds.PHASES * l + k for l in range(nl)]), nbytes)
     row(f"empty launch x{ds.PHASES * nl + 1}", stack(phases=[10 ** 6] * (ds.PHASES * nl + 1)), None)
     return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                  (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms), ("FMA", {"FMA": 1}, sms),
+                  (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms), ("FMA=15", {"FMA": 15}, sms),
                    ("two 4-warp programs an SM", {"WARPS": 4}, 2 * sms)))
 
 

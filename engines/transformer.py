@@ -207,6 +207,9 @@ _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 # list of engines ("text", "csm"). One engine at most: two persistent kernels on one GPU at once,
 # from two engines' streams, could each hold half the SMs and wait for the other half forever.
 _STACK = os.environ.get("REALTIME_STACK", "0").strip().lower()
+# Switches of the stack kernel for the benches ("FMA=10,ATT_REGS=1": decode_stack's ``tune``); empty: its defaults.
+_STACK_TUNE = {k.strip().upper(): int(v) for k, v in (kv.split("=", 1) for kv in
+               os.environ.get("REALTIME_STACK_TUNE", "").split(",") if kv.strip())}
 _stack_owner: list[str] = []
 
 
@@ -638,7 +641,7 @@ class Transformer(nn.Module):
             from realtime.kernels.decode_stack import decode_stack
 
             h = decode_stack(self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v,
-                             slots.contiguous(), cos, sin, programs=self.stack_programs)
+                             slots.contiguous(), cos, sin, programs=self.stack_programs, tune=_STACK_TUNE or None)
             return h.view(b, 1, cfg.dim)
         lengths = pos + 1  # keys 0..pos are valid for this query
 

@@ -20,7 +20,12 @@ before each barrier (``cp.async.bulk.prefetch.L2``) is a switch, off: on the H10
 ATT_PREFETCH has the programs with no attention work ask the L2 for the o slices and part of
 the gate|up slices at the start of the attention phase, while the HBM is otherwise idle (a
 switch until measured; its first form, every program prefetching its own slices with a request
-a thread, lengthened the attention on an H100).
+a thread, lengthened the attention on an H100). ATT_REGS (one attention item a program) reads
+the item's position, slot and angle rows once per step instead of once per layer, and loads the
+first block of its cached keys and values into registers before the attention's barrier: after
+the barrier only q and the step's own key and value (from q|k|v) are read, and the own key goes
+into its row of the block in registers instead of through the cache. FMA is a mask of the GEMV
+phases that multiply elementwise at one row (1 q|k|v, 2 o, 4 gate|up, 8 down).
 
 Numerics are the layer-by-layer kernels' (rmsnorm.add_rmsnorm, rotary.rotary_cache_write,
 decode_attention, gemv.swiglu): products accumulated in float32 and rounded to the activation
@@ -85,14 +90,14 @@ GB_DONE_${:uid}:
 }"""
 # what decode_stack's ``tune`` may override (WARPS: 4 lets two programs share an SM, up to 2 x SMs programs)
 _TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS", "ATT_PREFETCH",
-            "FMA", "ATT_EARLY"}
+            "FMA", "ATT_EARLY", "ATT_REGS"}
 
 
 @functools.cache
 def _kernels():
     # the jit'd functions resolve these through module globals
     global triton, tl, gdc_wait, _stamp, _grid_barrier, _own, _prefetch, _norm_rows, _merge_splits, _tile0, _dot_acc, \
-        _rows_dot, _rows_dot2, _add_residual, _rotate
+        _rows_dot, _rows_dot2, _add_residual, _rotate, _att_block, _att_out
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
@@ -330,6 +335,40 @@ def _kernels():
         return o1, o2
 
     @triton.jit
+    def _att_block(q1, q2, k1, k2, v, nmask, m_i, l_i, o, qk_scale, DOT_F32: tl.constexpr):
+        # One block of keys of the online softmax: scores of the G query heads (halves q1, q2 against
+        # the keys' halves k1, k2), then the running max, sum and p.v update.
+        if DOT_F32:
+            s = tl.dot(q1, tl.trans(k1.to(tl.float32)), input_precision="ieee")
+            s += tl.dot(q2, tl.trans(k2.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        if DOT_F32:
+            o = o * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+        else:
+            o = o * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        return m_new, l_i, o
+
+    @triton.jit
+    def _att_out(o, m_i, l_i, m, heads, sp, gm, d, dm, attn_ptr, part_ptr, ml_ptr, H: tl.constexpr, HD: tl.constexpr,
+                 NS: tl.constexpr):
+        # A split's result: the attention output itself (one split), else its partial o, max and sum.
+        if NS == 1:
+            out = o / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(attn_ptr + m * (H * HD) + heads[:, None] * HD + d[None, :], out.to(attn_ptr.dtype.element_ty),
+                     mask=gm[:, None] & dm[None, :])
+        else:
+            row = (m * H + heads) * NS + sp
+            tl.store(part_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None] & dm[None, :])
+            tl.store(ml_ptr + row * 2, m_i, mask=gm)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+
+    @triton.jit
     def _stack_kernel(
         x_ptr,  # *x [M, DIM]: the step's input hidden rows (read, not written)
         h_ptr,  # *h [M, DIM] output: the final RMSNorm of the residual
@@ -370,7 +409,8 @@ def _kernels():
         EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
         ATT_EARLY: tl.constexpr,  # the attention's K/V and angle rows L2-prefetched before its barrier
-        FMA: tl.constexpr,  # one row: the GEMV phases multiply elementwise (no [16, BK] x tiles; _rows_dot)
+        ATT_REGS: tl.constexpr,  # (ITEMS == 1) the attention's first key block in registers before its barrier
+        FMA: tl.constexpr,  # one row: these GEMV phases (bits: 1 q|k|v, 2 o, 4 gate|up, 8 down) multiply elementwise
         ATT_PREFETCH: tl.constexpr,  # > 0: idle programs L2-prefetch o and 1/this of gate|up at the attention's start
         TRACE: tl.constexpr,  # time stamps at every barrier (trace_ptr); slot 0 is the kernel's start
     ):
@@ -388,6 +428,34 @@ def _kernels():
         if PDL:
             gdc_wait()  # the kernel before has completed and its writes are visible
         tr = trace_ptr + pid * ((NPH * L + 1) * 4)
+        dh = tl.arange(0, HALF_B)
+        dmh = dh < HALF
+        d = tl.arange(0, HD_B)
+        dm = d < HD
+        g_ = tl.arange(0, BLOCK_G)
+        gm = g_ < G
+        NITEM: tl.constexpr = M * HKV * NS  # attention items: (row, kv head, split)
+        if ATT_REGS:
+            # The program's one attention item (ITEMS == 1) is the same in every layer: its
+            # position, slot, key range and angle rows are read once, here, not behind each barrier.
+            a_item = pid < NITEM
+            ai = tl.minimum(pid, NITEM - 1)
+            a_m = ai // (HKV * NS)
+            a_kvh = (ai // NS) % HKV
+            a_sp = ai % NS
+            a_p = tl.load(pos_ptr + a_m)
+            a_slot = tl.load(slots_ptr + a_m)
+            a_len = tl.minimum(a_p + 1, TMAX)
+            a_lo = a_sp * CHUNK
+            a_hi = tl.minimum(a_lo + CHUNK, a_len)
+            a_on = a_item & (a_lo < a_hi)
+            a_off = a_p * s_tab + dh
+            a_c1 = tl.load(cos_ptr + a_off, mask=dmh, other=0.0).to(tl.float32)
+            a_c2 = tl.load(cos_ptr + a_off + HALF, mask=dmh, other=0.0).to(tl.float32)
+            a_s1 = tl.load(sin_ptr + a_off, mask=dmh, other=0.0).to(tl.float32)
+            a_s2 = tl.load(sin_ptr + a_off + HALF, mask=dmh, other=0.0).to(tl.float32)
+            a_n0 = a_lo + tl.arange(0, BLOCK_KV)
+            a_old0 = (a_n0 < tl.minimum(a_hi, a_p)) & a_on  # the first block's keys that earlier steps wrote
         if TRACE:  # the start, in the release slot of the barrier the first phase does not have
             _stamp(tr + 1, THREADS)
         for layer in range(L):
@@ -405,7 +473,7 @@ def _kernels():
                         _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer) * 4, TRACE)
                 _norm_rows(src, nrm_ptr + l64 * 2 * DIM, priv, DIM, M, DIM, eps, BLOCK_M, BD)
                 tl.debug_barrier()
-                acc = _rows_dot(priv, DIM, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY, FMA)
+                acc = _rows_dot(priv, DIM, wq, row0, R_QKV, NQKV, DIM, M, BN_QKV, BK_QKV, STAGES, DOT_F32, w0, EARLY, FMA & 1)
                 rn = row0 + tl.arange(0, BN_QKV)
                 nm = (tl.arange(0, BN_QKV) < R_QKV) & (rn < NQKV)
                 tl.store(qkv_ptr + rm16[:, None] * NQKV + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
@@ -413,7 +481,18 @@ def _kernels():
                 _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, PREFETCH)
             # ---- 1: RoPE, cache write, split attention
             if (only < 0) | (only == NPH * layer + 1):
-                if ATT_EARLY:
+                if ATT_REGS:
+                    # The first block of the item's keys and values that earlier steps wrote does
+                    # not depend on q|k|v: it is loaded into registers before the barrier, and the
+                    # step's own key and value are put in its row after it (no cache round trip).
+                    kb_r = layer * sk_l + a_slot * sk_s + a_kvh * sk_h
+                    kr0 = k_ptr + kb_r + a_n0[:, None].to(tl.int64) * sk_t
+                    om0 = a_old0[:, None] & dmh[None, :]
+                    pk1 = tl.load(kr0 + dh[None, :], mask=om0, other=0.0, cache_modifier=".cg")
+                    pk2 = tl.load(kr0 + HALF + dh[None, :], mask=om0, other=0.0, cache_modifier=".cg")
+                    pv = tl.load(v_ptr + kb_r + a_n0[:, None].to(tl.int64) * sk_t + d[None, :],
+                                 mask=a_old0[:, None] & dm[None, :], other=0.0, cache_modifier=".cg")
+                elif ATT_EARLY:
                     # What the program's first attention item reads and q|k|v does not write: its
                     # keys' and values' rows and the angle rows, asked of the L2 before the barrier.
                     if pid < M * HKV * NS:
@@ -447,97 +526,127 @@ def _kernels():
                                           THREADS, True, 8)
                                 _prefetch(wgu_ptr + (l64 * 2 * I + I + q * R_GU) * DIM,
                                           _own(q, R_GU, I) * DIM // ATT_PREFETCH, THREADS, True, 8)
-                dh = tl.arange(0, HALF_B)
-                dmh = dh < HALF
-                d = tl.arange(0, HD_B)
-                dm = d < HD
-                g_ = tl.arange(0, BLOCK_G)
-                gm = g_ < G
-                for it in range(ITEMS):
-                    item = pid + it * P
-                    if item < M * HKV * NS:
-                        m = item // (HKV * NS)
-                        kvh = (item // NS) % HKV
-                        sp = item % NS
-                        p = tl.load(pos_ptr + m)
-                        slot = tl.load(slots_ptr + m)
-                        length = tl.minimum(p + 1, TMAX)
-                        lo = sp * CHUNK
-                        hi = tl.minimum(lo + CHUNK, length)
-                        if lo < hi:
-                            c_off = p * s_tab + dh
-                            c1 = tl.load(cos_ptr + c_off, mask=dmh, other=0.0).to(tl.float32)
-                            c2 = tl.load(cos_ptr + c_off + HALF, mask=dmh, other=0.0).to(tl.float32)
-                            s1 = tl.load(sin_ptr + c_off, mask=dmh, other=0.0).to(tl.float32)
-                            s2 = tl.load(sin_ptr + c_off + HALF, mask=dmh, other=0.0).to(tl.float32)
-                            kb = layer * sk_l + slot * sk_s + kvh * sk_h
-                            if (p >= lo) & (p < hi):  # this split holds the step's own key: write it first
-                                kin = qkv_ptr + m * NQKV + (H + kvh) * HD
-                                k1, k2 = _rotate(tl.load(kin + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
-                                                 tl.load(kin + HALF + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
-                                                 c1, c2, s1, s2)
-                                tl.store(k_ptr + kb + p * sk_t + dh, k1.to(k_ptr.dtype.element_ty), mask=dmh)
-                                tl.store(k_ptr + kb + p * sk_t + HALF + dh, k2.to(k_ptr.dtype.element_ty), mask=dmh)
-                                vv = tl.load(kin + HKV * HD + d, mask=dm, other=0.0, cache_modifier=".cg")
-                                tl.store(v_ptr + kb + p * sk_t + d, vv.to(v_ptr.dtype.element_ty), mask=dm)
-                                tl.debug_barrier()
-                            heads = kvh * G + g_
-                            qin = qkv_ptr + m * NQKV + heads[:, None] * HD + dh[None, :]
+                if ATT_REGS:
+                    if a_item:
+                        if a_on:
+                            qdt = qkv_ptr.dtype.element_ty
+                            kin = qkv_ptr + a_m * NQKV + (H + a_kvh) * HD
+                            kn1, kn2 = _rotate(tl.load(kin + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
+                                               tl.load(kin + HALF + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
+                                               a_c1, a_c2, a_s1, a_s2)
+                            vn = tl.load(kin + HKV * HD + d, mask=dm, other=0.0, cache_modifier=".cg")
+                            kb = layer * sk_l + a_slot * sk_s + a_kvh * sk_h
+                            if (a_p >= a_lo) & (a_p < a_hi):  # this split holds the step's own key
+                                tl.store(k_ptr + kb + a_p * sk_t + dh, kn1.to(k_ptr.dtype.element_ty), mask=dmh)
+                                tl.store(k_ptr + kb + a_p * sk_t + HALF + dh, kn2.to(k_ptr.dtype.element_ty), mask=dmh)
+                                tl.store(v_ptr + kb + a_p * sk_t + d, vn.to(v_ptr.dtype.element_ty), mask=dm)
+                            # as the cache holds them (its dtype), for the key row of this step
+                            kn1 = kn1.to(k_ptr.dtype.element_ty).to(qdt)
+                            kn2 = kn2.to(k_ptr.dtype.element_ty).to(qdt)
+                            vn = vn.to(v_ptr.dtype.element_ty).to(qdt)
+                            heads = a_kvh * G + g_
+                            qin = qkv_ptr + a_m * NQKV + heads[:, None] * HD + dh[None, :]
                             qm = gm[:, None] & dmh[None, :]
                             q1, q2 = _rotate(tl.load(qin, mask=qm, other=0.0, cache_modifier=".cg"),
                                              tl.load(qin + HALF, mask=qm, other=0.0, cache_modifier=".cg"),
-                                             c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+                                             a_c1[None, :], a_c2[None, :], a_s1[None, :], a_s2[None, :])
                             if DOT_F32:
                                 q1 = q1.to(tl.float32)
                                 q2 = q2.to(tl.float32)
                             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
                             l_i = tl.zeros([BLOCK_G], tl.float32)
                             o = tl.zeros([BLOCK_G, HD_B], tl.float32)
-                            for i in range(CHUNK // BLOCK_KV):
-                                start = lo + i * BLOCK_KV
-                                if start < hi:
+                            new0 = (a_n0 == a_p)[:, None]
+                            k1 = tl.where(new0, kn1[None, :], pk1.to(qdt))
+                            k2 = tl.where(new0, kn2[None, :], pk2.to(qdt))
+                            v = tl.where(new0, vn[None, :], pv.to(qdt))
+                            m_i, l_i, o = _att_block(q1, q2, k1, k2, v, a_n0 < a_hi, m_i, l_i, o, qk_scale, DOT_F32)
+                            for i in range(1, CHUNK // BLOCK_KV):
+                                start = a_lo + i * BLOCK_KV
+                                if start < a_hi:
                                     n = start + tl.arange(0, BLOCK_KV)
-                                    nmask = n < hi
+                                    new = (n == a_p)[:, None]
+                                    om = (n < a_p)[:, None] & dmh[None, :]
                                     kr = k_ptr + kb + n[:, None].to(tl.int64) * sk_t
-                                    k1 = tl.load(kr + dh[None, :], mask=nmask[:, None] & dmh[None, :], other=0.0,
-                                                 cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
-                                    k2 = tl.load(kr + HALF + dh[None, :], mask=nmask[:, None] & dmh[None, :], other=0.0,
-                                                 cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
-                                    vr = v_ptr + kb + n[:, None].to(tl.int64) * sk_t + d[None, :]
-                                    v = tl.load(vr, mask=nmask[:, None] & dm[None, :], other=0.0,
-                                                cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
-                                    if DOT_F32:
-                                        s = tl.dot(q1, tl.trans(k1.to(tl.float32)), input_precision="ieee")
-                                        s += tl.dot(q2, tl.trans(k2.to(tl.float32)), input_precision="ieee")
-                                    else:
-                                        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
-                                    s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
-                                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                                    alpha = tl.exp2(m_i - m_new)
-                                    pr = tl.exp2(s - m_new[:, None])
-                                    l_i = l_i * alpha + tl.sum(pr, axis=1)
-                                    if DOT_F32:
-                                        o = o * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-                                    else:
-                                        o = o * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-                                    m_i = m_new
-                            if NS == 1:  # one split: the attention output itself
-                                out = o / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                                tl.store(attn_ptr + m * (H * HD) + heads[:, None] * HD + d[None, :],
-                                         out.to(attn_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
-                            else:
-                                row = (m * H + heads) * NS + sp
-                                tl.store(part_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None] & dm[None, :])
-                                tl.store(ml_ptr + row * 2, m_i, mask=gm)
-                                tl.store(ml_ptr + row * 2 + 1, l_i, mask=gm)
+                                    k1 = tl.load(kr + dh[None, :], mask=om, other=0.0, cache_modifier=".cg").to(qdt)
+                                    k2 = tl.load(kr + HALF + dh[None, :], mask=om, other=0.0, cache_modifier=".cg").to(qdt)
+                                    v = tl.load(v_ptr + kb + n[:, None].to(tl.int64) * sk_t + d[None, :],
+                                                mask=(n < a_p)[:, None] & dm[None, :], other=0.0, cache_modifier=".cg").to(qdt)
+                                    k1 = tl.where(new, kn1[None, :], k1)
+                                    k2 = tl.where(new, kn2[None, :], k2)
+                                    v = tl.where(new, vn[None, :], v)
+                                    m_i, l_i, o = _att_block(q1, q2, k1, k2, v, n < a_hi, m_i, l_i, o, qk_scale, DOT_F32)
+                            _att_out(o, m_i, l_i, a_m, heads, a_sp, gm, d, dm, attn_ptr, part_ptr, ml_ptr, H, HD, NS)
                         if NS > 1:
-                            # The last of the (row, kv head)'s NS splits to finish merges them: a
-                            # counter per group that only grows (NS arrivals a layer), so no reset.
                             tl.debug_barrier()  # every thread's partial stores before the arrival
-                            done = tl.atomic_add(cnt_ptr + 2 + m * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+                            done = tl.atomic_add(cnt_ptr + 2 + a_m * HKV + a_kvh, 1, sem="acq_rel", scope="gpu")
                             if done % NS == NS - 1:
-                                _merge_splits(part_ptr, ml_ptr, attn_ptr, m, kvh, length, H, G, HD, NS, CHUNK, NS_B,
+                                _merge_splits(part_ptr, ml_ptr, attn_ptr, a_m, a_kvh, a_len, H, G, HD, NS, CHUNK, NS_B,
                                               HD_B)
+                else:
+                    for it in range(ITEMS):
+                        item = pid + it * P
+                        if item < NITEM:
+                            m = item // (HKV * NS)
+                            kvh = (item // NS) % HKV
+                            sp = item % NS
+                            p = tl.load(pos_ptr + m)
+                            slot = tl.load(slots_ptr + m)
+                            length = tl.minimum(p + 1, TMAX)
+                            lo = sp * CHUNK
+                            hi = tl.minimum(lo + CHUNK, length)
+                            if lo < hi:
+                                c_off = p * s_tab + dh
+                                c1 = tl.load(cos_ptr + c_off, mask=dmh, other=0.0).to(tl.float32)
+                                c2 = tl.load(cos_ptr + c_off + HALF, mask=dmh, other=0.0).to(tl.float32)
+                                s1 = tl.load(sin_ptr + c_off, mask=dmh, other=0.0).to(tl.float32)
+                                s2 = tl.load(sin_ptr + c_off + HALF, mask=dmh, other=0.0).to(tl.float32)
+                                kb = layer * sk_l + slot * sk_s + kvh * sk_h
+                                if (p >= lo) & (p < hi):  # this split holds the step's own key: write it first
+                                    kin = qkv_ptr + m * NQKV + (H + kvh) * HD
+                                    k1, k2 = _rotate(tl.load(kin + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
+                                                     tl.load(kin + HALF + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
+                                                     c1, c2, s1, s2)
+                                    tl.store(k_ptr + kb + p * sk_t + dh, k1.to(k_ptr.dtype.element_ty), mask=dmh)
+                                    tl.store(k_ptr + kb + p * sk_t + HALF + dh, k2.to(k_ptr.dtype.element_ty), mask=dmh)
+                                    vv = tl.load(kin + HKV * HD + d, mask=dm, other=0.0, cache_modifier=".cg")
+                                    tl.store(v_ptr + kb + p * sk_t + d, vv.to(v_ptr.dtype.element_ty), mask=dm)
+                                    tl.debug_barrier()
+                                heads = kvh * G + g_
+                                qin = qkv_ptr + m * NQKV + heads[:, None] * HD + dh[None, :]
+                                qm = gm[:, None] & dmh[None, :]
+                                q1, q2 = _rotate(tl.load(qin, mask=qm, other=0.0, cache_modifier=".cg"),
+                                                 tl.load(qin + HALF, mask=qm, other=0.0, cache_modifier=".cg"),
+                                                 c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+                                if DOT_F32:
+                                    q1 = q1.to(tl.float32)
+                                    q2 = q2.to(tl.float32)
+                                m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                                l_i = tl.zeros([BLOCK_G], tl.float32)
+                                o = tl.zeros([BLOCK_G, HD_B], tl.float32)
+                                for i in range(CHUNK // BLOCK_KV):
+                                    start = lo + i * BLOCK_KV
+                                    if start < hi:
+                                        n = start + tl.arange(0, BLOCK_KV)
+                                        nmask = n < hi
+                                        kr = k_ptr + kb + n[:, None].to(tl.int64) * sk_t
+                                        k1 = tl.load(kr + dh[None, :], mask=nmask[:, None] & dmh[None, :], other=0.0,
+                                                     cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
+                                        k2 = tl.load(kr + HALF + dh[None, :], mask=nmask[:, None] & dmh[None, :], other=0.0,
+                                                     cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
+                                        vr = v_ptr + kb + n[:, None].to(tl.int64) * sk_t + d[None, :]
+                                        v = tl.load(vr, mask=nmask[:, None] & dm[None, :], other=0.0,
+                                                    cache_modifier=".cg").to(qkv_ptr.dtype.element_ty)
+                                        m_i, l_i, o = _att_block(q1, q2, k1, k2, v, nmask, m_i, l_i, o, qk_scale, DOT_F32)
+                                _att_out(o, m_i, l_i, m, heads, sp, gm, d, dm, attn_ptr, part_ptr, ml_ptr, H, HD, NS)
+                            if NS > 1:
+                                # The last of the (row, kv head)'s NS splits to finish merges them: a
+                                # counter per group that only grows (NS arrivals a layer), so no reset.
+                                tl.debug_barrier()  # every thread's partial stores before the arrival
+                                done = tl.atomic_add(cnt_ptr + 2 + m * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+                                if done % NS == NS - 1:
+                                    _merge_splits(part_ptr, ml_ptr, attn_ptr, m, kvh, length, H, G, HD, NS, CHUNK, NS_B,
+                                                  HD_B)
                 _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
                 _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
             # ---- 2: o rows (from the merged attention output) + residual
@@ -548,7 +657,7 @@ def _kernels():
                 if BARRIER:  # the attention output
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 2) * 4, TRACE)
                 acc = _rows_dot(attn_ptr, H * HD, wo, row0, R_O, DIM, H * HD, M, BN_O, BK_O, STAGES, DOT_F32, w0, EARLY,
-                                FMA)
+                                (FMA >> 1) & 1)
                 _add_residual(acc, src, res_ptr, row0, R_O, M, DIM, BN_O)
             # ---- 3: post-attention norm + gate|up rows + SwiGLU
             if (only < 0) | (only == NPH * layer + 3):
@@ -562,11 +671,11 @@ def _kernels():
                 tl.debug_barrier()
                 if GU_ONE_LOOP:
                     gacc, uacc = _rows_dot2(priv, DIM, wg, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES,
-                                            DOT_F32, w0, w20, EARLY, FMA)
+                                            DOT_F32, w0, w20, EARLY, (FMA >> 2) & 1)
                 else:
-                    gacc = _rows_dot(priv, DIM, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w0, EARLY, FMA)
+                    gacc = _rows_dot(priv, DIM, wg, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w0, EARLY, (FMA >> 2) & 1)
                     uacc = _rows_dot(priv, DIM, wg + I * DIM, row0, R_GU, I, DIM, M, BN_GU, BK_GU, STAGES, DOT_F32, w20,
-                                     EARLY, FMA)
+                                     EARLY, (FMA >> 2) & 1)
                 out_t = act_ptr.dtype.element_ty
                 gv = gacc.to(out_t).to(tl.float32)
                 sv = (gv / (1.0 + tl.exp(-gv))).to(out_t).to(tl.float32)
@@ -582,7 +691,7 @@ def _kernels():
                 w0 = _tile0(wd, row0, R_D, DIM, I, BN_D, BK_D) if EARLY else 0
                 if BARRIER:  # the SwiGLU rows
                     _grid_barrier(cnt_ptr, P, SPIN_LIMIT, ONE_POLLER, THREADS, tr + (NPH * layer + 4) * 4, TRACE)
-                acc = _rows_dot(act_ptr, I, wd, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32, w0, EARLY, FMA)
+                acc = _rows_dot(act_ptr, I, wd, row0, R_D, DIM, I, M, BN_D, BK_D, STAGES, DOT_F32, w0, EARLY, (FMA >> 3) & 1)
                 _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
                 if layer + 1 < L:
                     _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS,
@@ -695,11 +804,15 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
         for key, bk in tune.items():
             check(key not in ks or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
+        check(0 <= tune.get("FMA", 0) <= 15, "FMA is a mask of phases: 1 q|k|v, 2 o, 4 gate|up, 8 down")
         meta.update(tune)
-        if x.element_size() != 2 or k_cache.element_size() != 2 or not gpu:  # bulk prefetches: 2-byte, GPU only
-            meta["ATT_PREFETCH"] = meta["ATT_EARLY"] = 0
-        if m != 1:  # the elementwise GEMV phases take one row
-            meta["FMA"] = 0
+    # (applied to launch_meta's defaults as well as to ``tune``)
+    if x.element_size() != 2 or k_cache.element_size() != 2 or not gpu:  # bulk prefetches: 2-byte, GPU only
+        meta["ATT_PREFETCH"] = meta["ATT_EARLY"] = 0
+    if m != 1:  # the elementwise GEMV phases take one row
+        meta["FMA"] = 0
+    if meta["ITEMS"] != 1:  # the hoisted attention item: one a program
+        meta["ATT_REGS"] = 0
     ns = meta["NS"]
     sc = w.scratch.get((p, ns))
     if sc is None:  # (allocated once, before a CUDA-graph capture: the capture warm-up runs the step)
@@ -779,7 +892,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
-        FMA=0, ATT_PREFETCH=0, ATT_EARLY=0, TRACE=False,
+        FMA=0, ATT_PREFETCH=0, ATT_EARLY=0, ATT_REGS=0, TRACE=False,
     )
 
 

@@ -130,6 +130,36 @@ def test_both_barriers_give_the_same_step() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slots, pos", [([2, 0, 3], [5, 90, 17]), ([1], [70]), ([3], [5])])
+def test_attention_in_registers_and_fma_masks_give_the_step_on_cuda(slots: list[int], pos: list[int]) -> None:
+    """ATT_REGS (the first key block loaded before the barrier, the own key put into it) writes the
+    same cache and computes the served step; so does each elementwise GEMV mask at one row, alone
+    and with ATT_REGS and ATT_PREFETCH."""
+    from realtime.kernels import decode_stack as ds
+
+    model, cache, slots_t, pos_t, x, cos, sin = _cuda_stack(slots, pos)
+    cache.k.normal_()
+    cache.v.normal_()
+
+    def run(tune=None):  # noqa: ANN001, ANN202
+        k, v = cache.k.clone(), cache.v.clone()
+        with torch.no_grad():
+            h = ds.decode_stack(model.stack, x, pos_t, k, v, slots_t, cos, sin, tune=tune)
+        torch.cuda.synchronize()
+        return h, k, v
+
+    want = run()
+    tunes = [{"ATT_REGS": 1}, {"ATT_REGS": 1, "ATT_PREFETCH": 4}]
+    if len(slots) == 1:
+        tunes += [{"FMA": 10}, {"FMA": 5}, {"FMA": 15, "ATT_REGS": 1}, {"FMA": 10, "ATT_REGS": 1, "ATT_PREFETCH": 4}]
+    for tune in tunes:
+        h, k, v = run(tune)
+        torch.testing.assert_close(h, want[0], rtol=1e-2, atol=1e-2, msg=str(tune))
+        assert torch.equal(k, want[1]) and torch.equal(v, want[2]), tune
+    assert ds.errors(model.stack) == 0
+
+
+@pytest.mark.gpu
 def test_two_programs_an_sm_give_the_step_and_too_many_are_refused() -> None:
     """Four-warp programs, two an SM (the probe's WARPS=4 variant), compute the 8-warp step; a grid
     the GPU cannot hold at once (the barrier would wait forever) is refused before it launches."""
@@ -278,7 +308,7 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         assert att.count("cp.async.bulk.prefetch.L2.global") == 6 + 3 * -(-meta["P"] // idle)
         check_registers(att, "att_prefetch")
         # the elementwise GEMV phases (one row): still software-pipelined, less shared memory, fits
-        fma = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "FMA": 1}, warps=ds._WARPS, divisible=aligned)
+        fma = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "FMA": 15}, warps=ds._WARPS, divisible=aligned)
         assert "cp.async.cg.shared.global" in fma.asm["ptx"] and fma.metadata.shared < c.metadata.shared
         check_registers(fma.asm["ptx"], "fma", spill_limit=256)
         # the attention's K/V and angle rows prefetched before its barrier: four more requests
@@ -286,6 +316,12 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
                                       divisible=aligned).asm["ptx"]
         assert early_att.count("cp.async.bulk.prefetch.L2.global") == 6 + 4
         check_registers(early_att, "att_early")
+        # the attention's first key block in registers before its barrier, with every GEMV elementwise
+        # and the idle programs' prefetch: builds, fits one program per SM, spills little
+        regs = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ATT_REGS": 1, "FMA": 15, "ATT_PREFETCH": 4},
+                                 warps=ds._WARPS, divisible=aligned)
+        assert regs.metadata.shared <= fma.metadata.shared
+        check_registers(regs.asm["ptx"], "att_regs", spill_limit=256)
         # two 4-warp programs an SM (the probe's WARPS=4): both fit the shared memory and registers
         meta4 = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 264, 2, False, False, warps=4)
         four = sm90.compile_sm90(k, sig, {**meta4, "BARRIER": True}, warps=4, divisible=aligned)
@@ -380,7 +416,7 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
     for kw in (dict(phases=list(range(ds.PHASES * CFG.n_layers + 1))), dict(tune={"STAGES": 2, "BK_GU": 32}),
                dict(tune={"GU_ONE_LOOP": False}), dict(tune={"ONE_POLLER": False}), dict(prefetch=True),
                dict(tune={"EARLY": 1}), dict(tune={"EARLY": 1, "GU_ONE_LOOP": False}), dict(tune={"ATT_PREFETCH": 4}),
-               dict(tune={"ATT_EARLY": 1})):
+               dict(tune={"ATT_EARLY": 1}), dict(tune={"ATT_REGS": 1})):
         for got, want in zip(run(**kw), ref):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # one row: the elementwise GEMV phases (FMA), with the first tiles early and gate, up apart
@@ -389,10 +425,28 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
         return ds.decode_stack(w, x[1:], pos[1:], k, v, slots[1:], cos, sin, programs=3, **kw), k, v
 
     ref1 = run1()
-    for tune in ({"FMA": 1}, {"FMA": 1, "EARLY": 1}, {"FMA": 1, "GU_ONE_LOOP": False}, {"FMA": 1, "EARLY": 1,
+    for tune in ({"FMA": 15}, {"FMA": 15, "EARLY": 1}, {"FMA": 15, "GU_ONE_LOOP": False}, {"FMA": 15, "EARLY": 1,
                                                                                        "GU_ONE_LOOP": False}):
         for got, want in zip(run1(tune=tune), ref1):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # ATT_REGS: one attention item a program (8 programs here), its first key block from before
+    # the barrier and the own key put into the block; two rows (a 128-key chunk, the own key in its
+    # second block), and one row at each position (64-key chunks: one split, or two merged); with
+    # FMA masks at one row
+    for sel, fma in ((slice(0, 2), 0), (slice(0, 1), 15), (slice(1, 2), 6), (slice(0, 1), 9)):
+        m = sel.stop - sel.start
+        meta = ds.launch_meta(m, CFG.dim, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, CFG.intermediate_size,
+                              CFG.n_layers, CFG.max_seq_len, 8, 4, False, True)
+        assert meta["ITEMS"] == 1  # (else ATT_REGS would be switched off)
+
+        def run8(**kw):  # noqa: ANN003, ANN202
+            k, v = cache.k.clone(), cache.v.clone()
+            return ds.decode_stack(w, x[sel], pos[sel], k, v, slots[sel], cos, sin, programs=8, **kw), k, v
+
+        for got, want in zip(run8(tune={"ATT_REGS": 1, "FMA": fma}), run8()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mask of phases"):
+        run1(tune={"FMA": 16})
     # only the first layer's phases: the second layer's K/V stay as they were
     _, k, _ = run(phases=list(range(ds.PHASES)))
     assert torch.equal(k[1], cache.k[1]) and not torch.equal(k[0], cache.k[0])
