@@ -435,27 +435,6 @@ def _kernels():
         g_ = tl.arange(0, BLOCK_G)
         gm = g_ < G
         NITEM: tl.constexpr = M * HKV * NS  # attention items: (row, kv head, split)
-        if ATT_REGS:
-            # The program's one attention item (ITEMS == 1) is the same in every layer: its
-            # position, slot, key range and angle rows are read once, here, not behind each barrier.
-            a_item = pid < NITEM
-            ai = tl.minimum(pid, NITEM - 1)
-            a_m = ai // (HKV * NS)
-            a_kvh = (ai // NS) % HKV
-            a_sp = ai % NS
-            a_p = tl.load(pos_ptr + a_m)
-            a_slot = tl.load(slots_ptr + a_m)
-            a_len = tl.minimum(a_p + 1, TMAX)
-            a_lo = a_sp * CHUNK
-            a_hi = tl.minimum(a_lo + CHUNK, a_len)
-            a_on = a_item & (a_lo < a_hi)
-            a_off = a_p * s_tab + dh
-            a_c1 = tl.load(cos_ptr + a_off, mask=dmh, other=0.0).to(tl.float32)
-            a_c2 = tl.load(cos_ptr + a_off + HALF, mask=dmh, other=0.0).to(tl.float32)
-            a_s1 = tl.load(sin_ptr + a_off, mask=dmh, other=0.0).to(tl.float32)
-            a_s2 = tl.load(sin_ptr + a_off + HALF, mask=dmh, other=0.0).to(tl.float32)
-            a_n0 = a_lo + tl.arange(0, BLOCK_KV)
-            a_old0 = (a_n0 < tl.minimum(a_hi, a_p)) & a_on  # the first block's keys that earlier steps wrote
         if TRACE:  # the start, in the release slot of the barrier the first phase does not have
             _stamp(tr + 1, THREADS)
         for layer in range(L):
@@ -485,6 +464,26 @@ def _kernels():
                     # The first block of the item's keys and values that earlier steps wrote does
                     # not depend on q|k|v: it is loaded into registers before the barrier, and the
                     # step's own key and value are put in its row after it (no cache round trip).
+                    # (the item's position, slot and angle rows too: L1 hits after the first layer,
+                    # read here rather than kept in registers across the layer's GEMV phases)
+                    a_item = pid < NITEM
+                    ai = tl.minimum(pid, NITEM - 1)
+                    a_m = ai // (HKV * NS)
+                    a_kvh = (ai // NS) % HKV
+                    a_sp = ai % NS
+                    a_p = tl.load(pos_ptr + a_m)
+                    a_slot = tl.load(slots_ptr + a_m)
+                    a_len = tl.minimum(a_p + 1, TMAX)
+                    a_lo = a_sp * CHUNK
+                    a_hi = tl.minimum(a_lo + CHUNK, a_len)
+                    a_on = a_item & (a_lo < a_hi)
+                    a_off = a_p * s_tab + dh
+                    a_c1 = tl.load(cos_ptr + a_off, mask=dmh & a_on, other=0.0).to(tl.float32)
+                    a_c2 = tl.load(cos_ptr + a_off + HALF, mask=dmh & a_on, other=0.0).to(tl.float32)
+                    a_s1 = tl.load(sin_ptr + a_off, mask=dmh & a_on, other=0.0).to(tl.float32)
+                    a_s2 = tl.load(sin_ptr + a_off + HALF, mask=dmh & a_on, other=0.0).to(tl.float32)
+                    a_n0 = a_lo + tl.arange(0, BLOCK_KV)
+                    a_old0 = (a_n0 < tl.minimum(a_hi, a_p)) & a_on  # the first block's keys earlier steps wrote
                     kb_r = layer * sk_l + a_slot * sk_s + a_kvh * sk_h
                     kr0 = k_ptr + kb_r + a_n0[:, None].to(tl.int64) * sk_t
                     om0 = a_old0[:, None] & dmh[None, :]
