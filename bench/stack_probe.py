@@ -261,14 +261,13 @@ def main() -> int:
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
     pf = {"ATT_PREFETCH": 4}
-    for name, tune in (("elementwise GEMV phases (FMA=15)", {"FMA": 15}),
-                       ("FMA=15 + ATT_EARLY", {"FMA": 15, "ATT_EARLY": 1}),
-                       ("FMA=15 + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 15, **pf, "ATT_EARLY": 1}),
-                       ("FMA=15 + ATT_PREFETCH=2 + ATT_EARLY", {"FMA": 15, "ATT_PREFETCH": 2, "ATT_EARLY": 1}),
-                       ("FMA=10 + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 10, **pf, "ATT_EARLY": 1}),
-                       ("attention key block in registers (ATT_REGS)", {"ATT_REGS": 1}),
-                       ("FMA=15 + ATT_REGS", {"FMA": 15, "ATT_REGS": 1}),
-                       ("FMA=15 + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 15, **pf, "ATT_REGS": 1})):
+    for name, tune in (("FMA=15 + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 15, **pf, "ATT_EARLY": 1}),
+                       ("FMA=15 + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 15, **pf, "ATT_REGS": 1}),
+                       ("FMA=14 (q|k|v by tl.dot) + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 14, **pf, "ATT_REGS": 1}),
+                       ("FMA=14 + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 14, **pf, "ATT_EARLY": 1}),
+                       ("FMA=14 + ATT_REGS", {"FMA": 14, "ATT_REGS": 1}),
+                       ("FMA=12 (gate|up, down) + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 12, **pf, "ATT_REGS": 1}),
+                       ("FMA=14 + ATT_PREFETCH=4 + ATT_REGS, STAGES=3", {"FMA": 14, **pf, "ATT_REGS": 1, "STAGES": 3})):
         row(f"stack, {name}", stack(tune=tune), weight_bytes)
         try:
             with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
@@ -283,10 +282,10 @@ def main() -> int:
     if args.quick:
         return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
                       () if args.no_trace else (("served", None, sms),
-                                                ("FMA=15 + ATT_PREFETCH=4 + ATT_EARLY",
-                                                 {"FMA": 15, **pf, "ATT_EARLY": 1}, sms),
                                                 ("FMA=15 + ATT_PREFETCH=4 + ATT_REGS",
-                                                 {"FMA": 15, **pf, "ATT_REGS": 1}, sms)))
+                                                 {"FMA": 15, **pf, "ATT_REGS": 1}, sms),
+                                                ("FMA=14 + ATT_PREFETCH=4 + ATT_REGS",
+                                                 {"FMA": 14, **pf, "ATT_REGS": 1}, sms)))
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     row("stack, idle programs prefetch o + 1/2 gate|up", stack(tune={"ATT_PREFETCH": 2}), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
