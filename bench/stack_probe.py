@@ -172,8 +172,9 @@ def main() -> int:
                     help="cached positions before the step (default: 264 for 1b, 16 for csm-depth: mid-frame)")
     ap.add_argument("--out", default="bench/results/stack_probe.json")
     ap.add_argument("--quick", action="store_true",
-                    help="only the layer path (timed first and last), the stack as served, the FMA / ATT_PREFETCH / "
-                         "ATT_EARLY / ATT_REGS variants (each checked against the served step), and traces")
+                    help="only the layer path (timed first and last), the stack as served, its plain form and the "
+                         "FMA / ATT_PREFETCH / ATT_EARLY / ATT_REGS variants (each checked against the served step), "
+                         "and traces")
     ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--ncu", action="store_true",
@@ -260,14 +261,15 @@ def main() -> int:
     row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
-    pf = {"ATT_PREFETCH": 4}
-    for name, tune in (("FMA=15 + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 15, **pf, "ATT_EARLY": 1}),
-                       ("FMA=15 + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 15, **pf, "ATT_REGS": 1}),
-                       ("FMA=14 (q|k|v by tl.dot) + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 14, **pf, "ATT_REGS": 1}),
-                       ("FMA=14 + ATT_PREFETCH=4 + ATT_EARLY", {"FMA": 14, **pf, "ATT_EARLY": 1}),
-                       ("FMA=14 + ATT_REGS", {"FMA": 14, "ATT_REGS": 1}),
-                       ("FMA=12 (gate|up, down) + ATT_PREFETCH=4 + ATT_REGS", {"FMA": 12, **pf, "ATT_REGS": 1}),
-                       ("FMA=14 + ATT_PREFETCH=4 + ATT_REGS, STAGES=3", {"FMA": 14, **pf, "ATT_REGS": 1, "STAGES": 3})):
+    # The served switches at one row are FMA=15, ATT_PREFETCH=4, ATT_REGS (launch_meta); each variant
+    # names every switch it differs in, from the plain form (none of them, the served form before).
+    plain = {"FMA": 0, "ATT_PREFETCH": 0, "ATT_REGS": 0}
+    for name, tune in (("plain form (no FMA, ATT_PREFETCH, ATT_REGS)", plain),
+                       ("FMA=15 only", {**plain, "FMA": 15}),
+                       ("FMA=15 + ATT_PREFETCH=4 + ATT_EARLY", {**plain, "FMA": 15, "ATT_PREFETCH": 4, "ATT_EARLY": 1}),
+                       ("FMA=15 + ATT_REGS (no prefetch)", {**plain, "FMA": 15, "ATT_REGS": 1}),
+                       ("ATT_REGS only", {**plain, "ATT_REGS": 1}),
+                       ("served, FMA=14 (q|k|v by tl.dot)", {"FMA": 14})):
         row(f"stack, {name}", stack(tune=tune), weight_bytes)
         try:
             with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
@@ -281,11 +283,7 @@ def main() -> int:
     model.stack = saved
     if args.quick:
         return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                      () if args.no_trace else (("served", None, sms),
-                                                ("FMA=15 + ATT_PREFETCH=4 + ATT_REGS",
-                                                 {"FMA": 15, **pf, "ATT_REGS": 1}, sms),
-                                                ("FMA=14 + ATT_PREFETCH=4 + ATT_REGS",
-                                                 {"FMA": 14, **pf, "ATT_REGS": 1}, sms)))
+                      () if args.no_trace else (("served", None, sms), ("plain form", plain, sms)))
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     row("stack, idle programs prefetch o + 1/2 gate|up", stack(tune={"ATT_PREFETCH": 2}), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)
@@ -309,7 +307,7 @@ def main() -> int:
         row(f"phase {k} ({name}) x{nl}", stack(phases=[ds.PHASES * l + k for l in range(nl)]), nbytes)
     row(f"empty launch x{ds.PHASES * nl + 1}", stack(phases=[10 ** 6] * (ds.PHASES * nl + 1)), None)
     return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                  (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms), ("FMA=15", {"FMA": 15}, sms),
+                  (("served", None, sms), ("EARLY=1", {"EARLY": 1}, sms), ("plain form", plain, sms),
                    ("two 4-warp programs an SM", {"WARPS": 4}, 2 * sms)))
 
 

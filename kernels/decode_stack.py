@@ -18,14 +18,16 @@ Every GEMV gives each program cdiv(N, P) consecutive rows of the weight (one con
 and a phase is kept to few dependent trips to memory. An L2 prefetch of a later phase's weights
 before each barrier (``cp.async.bulk.prefetch.L2``) is a switch, off: on the H100 it cost time.
 ATT_PREFETCH has the programs with no attention work ask the L2 for the o slices and part of
-the gate|up slices at the start of the attention phase, while the HBM is otherwise idle (a
-switch until measured; its first form, every program prefetching its own slices with a request
-a thread, lengthened the attention on an H100). ATT_REGS (one attention item a program) reads
-the item's position, slot and angle rows once per step instead of once per layer, and loads the
-first block of its cached keys and values into registers before the attention's barrier: after
-the barrier only q and the step's own key and value (from q|k|v) are read, and the own key goes
-into its row of the block in registers instead of through the cache. FMA is a mask of the GEMV
-phases that multiply elementwise at one row (1 q|k|v, 2 o, 4 gate|up, 8 down).
+the gate|up slices at the start of the attention phase, while the HBM is otherwise idle (its
+first form, every program prefetching its own slices with a request a thread, lengthened the
+attention on an H100). ATT_REGS (one attention item a program) loads the item's position, slot,
+angle rows and the first block of its cached keys and values into registers before the
+attention's barrier: after the barrier only q and the step's own key and value (from q|k|v) are
+read, and the own key goes into its row of the block in registers instead of through the cache.
+FMA is a mask of the GEMV phases that multiply elementwise at one row (1 q|k|v, 2 o, 4 gate|up,
+8 down) instead of padding x to a [16, BK] tile for tl.dot. At one row the three are the
+defaults (launch_meta): on an H100 they took a Llama-3.2-1B step from 1,124 to 964 µs, still
+1-2 % slower than the layer-by-layer path, which is why the engines keep the stack off.
 
 Numerics are the layer-by-layer kernels' (rmsnorm.add_rmsnorm, rotary.rotary_cache_write,
 decode_attention, gemv.swiglu): products accumulated in float32 and rounded to the activation
@@ -891,7 +893,14 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
-        FMA=0, ATT_PREFETCH=0, ATT_EARLY=0, ATT_REGS=0, TRACE=False,
+        # At one row, measured fastest on an H100 (2026-12-06, bench/stack_probe.py --quick): 1,124 ->
+        # 964 us a Llama-3.2-1B step. ATT_REGS needs one attention item a program; ATT_PREFETCH
+        # (GPU, 2-byte weights: decode_stack) needs as many idle programs as busy ones, or its
+        # unrolled loop over the busy programs' slices spills hundreds of bytes. Other row counts
+        # have not been timed with them: the plain form.
+        FMA=15 if m == 1 else 0, ATT_EARLY=0, TRACE=False,
+        ATT_PREFETCH=4 if m == 1 and elem == 2 and 2 * m * hkv * ns <= p else 0,
+        ATT_REGS=1 if m == 1 and m * hkv * ns <= p else 0,
     )
 
 

@@ -133,8 +133,8 @@ def test_both_barriers_give_the_same_step() -> None:
 @pytest.mark.parametrize("slots, pos", [([2, 0, 3], [5, 90, 17]), ([1], [70]), ([3], [5])])
 def test_attention_in_registers_and_fma_masks_give_the_step_on_cuda(slots: list[int], pos: list[int]) -> None:
     """ATT_REGS (the first key block loaded before the barrier, the own key put into it) writes the
-    same cache and computes the served step; so does each elementwise GEMV mask at one row, alone
-    and with ATT_REGS and ATT_PREFETCH."""
+    same cache and computes the plain form's step; so do each elementwise GEMV mask at one row,
+    alone and with ATT_REGS and ATT_PREFETCH, and the defaults."""
     from realtime.kernels import decode_stack as ds
 
     model, cache, slots_t, pos_t, x, cos, sin = _cuda_stack(slots, pos)
@@ -148,8 +148,8 @@ def test_attention_in_registers_and_fma_masks_give_the_step_on_cuda(slots: list[
         torch.cuda.synchronize()
         return h, k, v
 
-    want = run()
-    tunes = [{"ATT_REGS": 1}, {"ATT_REGS": 1, "ATT_PREFETCH": 4}]
+    want = run({"FMA": 0, "ATT_REGS": 0, "ATT_PREFETCH": 0})  # the plain form
+    tunes = [{"ATT_REGS": 1}, {"ATT_REGS": 1, "ATT_PREFETCH": 4}, None]  # (None: the defaults)
     if len(slots) == 1:
         tunes += [{"FMA": 10}, {"FMA": 5}, {"FMA": 15, "ATT_REGS": 1}, {"FMA": 10, "ATT_REGS": 1, "ATT_PREFETCH": 4}]
     for tune in tunes:
@@ -270,8 +270,10 @@ def check_registers(ptx, name, spill_limit=64):
 
 # (rows, dim, heads, kv heads, head dim, intermediate, layers, cache)
 for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272), (4, 2048, 32, 8, 64, 8192, 16, 2048),
-                                            (1, 1024, 8, 2, 128, 8192, 4, 32)):
-    meta = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 132, 2, True, False)  # (prefetch on: its PTX is checked)
+                                            (1, 1024, 8, 2, 128, 8192, 4, 32), (1, 2048, 32, 8, 64, 8192, 16, 2048)):
+    served = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 132, 2, True, False)  # (prefetch on: its PTX is checked)
+    # the plain form (no elementwise GEMVs, no attention-window prefetch or registers): the variants below add to it
+    meta = {**served, "FMA": 0, "ATT_PREFETCH": 0, "ATT_REGS": 0}
     # as launched: the tensors' pointers and the cache strides are multiples of 16
     c = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True}, warps=ds._WARPS, divisible=aligned)
     ptx = c.asm["ptx"]
@@ -285,7 +287,7 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
     # six prefetch sites, each emitted once: one request per thread, none repeated across threads
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == 6
     assert c.metadata.shared <= 200 * 1024
-    if m == 1 and dim == 2048:  # the barrier polled by every thread: a release add, polls, an acquire CAS
+    if m == 1 and dim == 2048 and tmax == 272:  # the barrier polled by every thread: a release add, polls, an acquire CAS
         every = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ONE_POLLER": False}, warps=ds._WARPS,
                                   divisible=aligned).asm["ptx"]
         assert every.count("atom.global.gpu.release.add") == 6, "one arrival per site"
@@ -328,6 +330,12 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         assert 2 * (four.metadata.shared + 1024) <= 233472
         print("4 warps:", four.metadata.shared, "bytes shared")
     check_registers(ptx, f"s{dim}_{m}")
+    # the served defaults (at one row: every GEMV elementwise, the idle programs' prefetch, the key block in registers)
+    assert (served["FMA"], served["ATT_REGS"]) == ((15, 1) if m == 1 else (0, 0))
+    assert served["ATT_PREFETCH"] == (4 if m == 1 and 2 * meta["HKV"] * meta["NS"] <= 132 else 0)
+    dflt = sm90.compile_sm90(k, sig, {**served, "BARRIER": True}, warps=ds._WARPS, divisible=aligned)
+    assert dflt.metadata.shared <= 200 * 1024
+    check_registers(dflt.asm["ptx"], f"served_s{dim}_{m}", spill_limit=256)
 print("compiled")
 ''', tmp_path)
 
@@ -424,9 +432,9 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
         k, v = cache.k.clone(), cache.v.clone()
         return ds.decode_stack(w, x[1:], pos[1:], k, v, slots[1:], cos, sin, programs=3, **kw), k, v
 
-    ref1 = run1()
+    ref1 = run1(tune={"FMA": 0})  # the tl.dot products (the default at one row is FMA=15)
     for tune in ({"FMA": 15}, {"FMA": 15, "EARLY": 1}, {"FMA": 15, "GU_ONE_LOOP": False}, {"FMA": 15, "EARLY": 1,
-                                                                                       "GU_ONE_LOOP": False}):
+                                                                                       "GU_ONE_LOOP": False}, {}):
         for got, want in zip(run1(tune=tune), ref1):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # ATT_REGS: one attention item a program (8 programs here), its first key block from before
@@ -443,7 +451,7 @@ def test_probe_switches_keep_the_step(monkeypatch) -> None:
             k, v = cache.k.clone(), cache.v.clone()
             return ds.decode_stack(w, x[sel], pos[sel], k, v, slots[sel], cos, sin, programs=8, **kw), k, v
 
-        for got, want in zip(run8(tune={"ATT_REGS": 1, "FMA": fma}), run8()):
+        for got, want in zip(run8(tune={"ATT_REGS": 1, "FMA": fma}), run8(tune={"ATT_REGS": 0, "FMA": 0})):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="mask of phases"):
         run1(tune={"FMA": 16})
