@@ -269,7 +269,10 @@ def main() -> int:
                        ("FMA=15 + ATT_PREFETCH=4 + ATT_EARLY", {**plain, "FMA": 15, "ATT_PREFETCH": 4, "ATT_EARLY": 1}),
                        ("FMA=15 + ATT_REGS (no prefetch)", {**plain, "FMA": 15, "ATT_REGS": 1}),
                        ("ATT_REGS only", {**plain, "ATT_REGS": 1}),
-                       ("served, FMA=14 (q|k|v by tl.dot)", {"FMA": 14})):
+                       ("served, FMA=14 (q|k|v by tl.dot)", {"FMA": 14}),
+                       ("served + q|k|v L2-prefetched at down's end (PREFETCH=1)", {"PREFETCH": 1}),
+                       ("served + PREFETCH=9 (q|k|v, down's quarter)", {"PREFETCH": 9}),
+                       ("served + PREFETCH=15 (every site)", {"PREFETCH": 15})):
         row(f"stack, {name}", stack(tune=tune), weight_bytes)
         try:
             with torch.no_grad():  # the same step as served, within bf16 rounding (another summation order)
@@ -283,7 +286,8 @@ def main() -> int:
     model.stack = saved
     if args.quick:
         return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack,
-                      () if args.no_trace else (("served", None, sms), ("plain form", plain, sms)))
+                      () if args.no_trace else (("served", None, sms), ("plain form", plain, sms),
+                                                ("served + PREFETCH=1", {"PREFETCH": 1}, sms)))
     row("stack, L2 prefetch on", stack(prefetch=True), weight_bytes)
     row("stack, idle programs prefetch o + 1/2 gate|up", stack(tune={"ATT_PREFETCH": 2}), weight_bytes)
     row(f"stack on {sms // 2} programs", stack(programs=sms // 2), weight_bytes)

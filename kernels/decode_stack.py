@@ -92,7 +92,7 @@ GB_DONE_${:uid}:
 }"""
 # what decode_stack's ``tune`` may override (WARPS: 4 lets two programs share an SM, up to 2 x SMs programs)
 _TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POLLER", "EARLY", "WARPS", "ATT_PREFETCH",
-            "FMA", "ATT_EARLY", "ATT_REGS"}
+            "FMA", "ATT_EARLY", "ATT_REGS", "PREFETCH"}
 
 
 @functools.cache
@@ -406,7 +406,8 @@ def _kernels():
         HALF_B: tl.constexpr, HD_B: tl.constexpr, ITEMS: tl.constexpr,
         THREADS: tl.constexpr, BLOCK_KV: tl.constexpr,  # the program's threads; keys per attention step
         NPH: tl.constexpr, SPIN_LIMIT: tl.constexpr,  # phases a layer (PHASES); barrier polls before giving up
-        BARRIER: tl.constexpr, PREFETCH: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+        BARRIER: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr,  # L2 prefetches of later phases' weights (bits: 1 q|k|v at down's end, 2 o, 4 gate|up, 8 down)
         GU_ONE_LOOP: tl.constexpr,  # gate and up in one K loop (_rows_dot2), or one loop each
         EARLY: tl.constexpr,  # 1: each GEMV's first weight tile is loaded before the barrier it waits at
         ONE_POLLER: tl.constexpr,  # the grid barrier polled by one thread a program (_POLL_ASM), or by all
@@ -426,7 +427,7 @@ def _kernels():
         # The first layer's q|k|v slice, while the kernel before (the embedding) finishes.
         # Prefetched ahead of their phase: all of a program's q|k|v and o slices, a quarter of its
         # gate, up and down slices (the L2 holds ~50 MB; a layer's gate|up alone is 67 MB at 1B).
-        _prefetch(wqkv_ptr + pid * R_QKV * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS, PREFETCH)
+        _prefetch(wqkv_ptr + pid * R_QKV * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS, PREFETCH & 1)
         if PDL:
             gdc_wait()  # the kernel before has completed and its writes are visible
         tr = trace_ptr + pid * ((NPH * L + 1) * 4)
@@ -459,7 +460,8 @@ def _kernels():
                 nm = (tl.arange(0, BN_QKV) < R_QKV) & (rn < NQKV)
                 tl.store(qkv_ptr + rm16[:, None] * NQKV + rn[None, :], acc.to(qkv_ptr.dtype.element_ty),
                          mask=mm16[:, None] & nm[None, :])
-                _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS, PREFETCH)
+                _prefetch(wo_ptr + (l64 * DIM + pid * R_O) * (H * HD), _own(pid, R_O, DIM) * H * HD, THREADS,
+                          (PREFETCH >> 1) & 1)
             # ---- 1: RoPE, cache write, split attention
             if (only < 0) | (only == NPH * layer + 1):
                 if ATT_REGS:
@@ -648,8 +650,10 @@ def _kernels():
                                 if done % NS == NS - 1:
                                     _merge_splits(part_ptr, ml_ptr, attn_ptr, m, kvh, length, H, G, HD, NS, CHUNK, NS_B,
                                                   HD_B)
-                _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
-                _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS, PREFETCH)
+                _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS,
+                          (PREFETCH >> 2) & 1)
+                _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS,
+                          (PREFETCH >> 2) & 1)
             # ---- 2: o rows (from the merged attention output) + residual
             if (only < 0) | (only == NPH * layer + 2):
                 row0 = pid * R_O
@@ -684,7 +688,8 @@ def _kernels():
                 rn = row0 + tl.arange(0, BN_GU)
                 nm = (tl.arange(0, BN_GU) < R_GU) & (rn < I)
                 tl.store(act_ptr + rm16[:, None] * I + rn[None, :], y.to(out_t), mask=mm16[:, None] & nm[None, :])
-                _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, _own(pid, R_D, DIM) * I // 4, THREADS, PREFETCH)
+                _prefetch(wd_ptr + (l64 * DIM + pid * R_D) * I, _own(pid, R_D, DIM) * I // 4, THREADS,
+                          (PREFETCH >> 3) & 1)
             # ---- 4: down rows + residual
             if (only < 0) | (only == NPH * layer + 4):
                 row0 = pid * R_D
@@ -696,7 +701,7 @@ def _kernels():
                 _add_residual(acc, res_ptr, res_ptr, row0, R_D, M, DIM, BN_D)
                 if layer + 1 < L:
                     _prefetch(wqkv_ptr + ((l64 + 1) * NQKV + pid * R_QKV) * DIM, _own(pid, R_QKV, NQKV) * DIM, THREADS,
-                              PREFETCH)
+                              PREFETCH & 1)
         # ---- the final norm (one program: M rows of DIM)
         if (only < 0) | (only == NPH * L):
             if BARRIER:  # the last layer's down rows
@@ -806,10 +811,11 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
             check(key not in ks or (bk >= 16 and bk & (bk - 1) == 0 and ks[key] % bk == 0),
                   f"{key}={bk}: a power of two >= 16 dividing {ks.get(key)}")
         check(0 <= tune.get("FMA", 0) <= 15, "FMA is a mask of phases: 1 q|k|v, 2 o, 4 gate|up, 8 down")
+        check(0 <= tune.get("PREFETCH", 0) <= 15, "PREFETCH is a mask of phases: 1 q|k|v, 2 o, 4 gate|up, 8 down")
         meta.update(tune)
     # (applied to launch_meta's defaults as well as to ``tune``)
     if x.element_size() != 2 or k_cache.element_size() != 2 or not gpu:  # bulk prefetches: 2-byte, GPU only
-        meta["ATT_PREFETCH"] = meta["ATT_EARLY"] = 0
+        meta["ATT_PREFETCH"] = meta["ATT_EARLY"] = meta["PREFETCH"] = 0
     if m != 1:  # the elementwise GEMV phases take one row
         meta["FMA"] = 0
     if meta["ITEMS"] != 1:  # the hoisted attention item: one a program
@@ -892,7 +898,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd),
         ITEMS=triton.cdiv(m * hkv * ns, p),
         THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
-        PREFETCH=prefetch and elem == 2, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
+        PREFETCH=15 if prefetch and elem == 2 else 0, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
         # At one row, measured fastest on an H100 (2026-12-06, bench/stack_probe.py --quick): 1,124 ->
         # 964 us a Llama-3.2-1B step. ATT_REGS needs one attention item a program; ATT_PREFETCH
         # (GPU, 2-byte weights: decode_stack) needs as many idle programs as busy ones, or its

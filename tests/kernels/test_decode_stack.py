@@ -123,7 +123,8 @@ def test_both_barriers_give_the_same_step() -> None:
             torch.cuda.synchronize()
             assert torch.equal(got, want)
         # the first weight tiles loaded ahead of the barriers, the L2 prefetches: the same products
-        for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}, {"ATT_PREFETCH": 2}, {"ATT_EARLY": 1}):
+        for tune in ({"EARLY": 1}, {"EARLY": 1, "GU_ONE_LOOP": False}, {"ATT_PREFETCH": 2}, {"ATT_EARLY": 1},
+                     {"PREFETCH": 1}, {"PREFETCH": 9}):
             got = ds.decode_stack(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, tune=tune)
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert ds.errors(model.stack) == 0
@@ -323,6 +324,12 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         regs = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ATT_REGS": 1, "FMA": 15, "ATT_PREFETCH": 4},
                                  warps=ds._WARPS, divisible=aligned)
         assert regs.metadata.shared <= fma.metadata.shared
+        # the L2 prefetch as a mask: q|k|v only (at the kernel's start and at each down phase's end)
+        qkv_pf = sm90.compile_sm90(k, sig, {**served, "BARRIER": True, "PREFETCH": 1}, warps=ds._WARPS,
+                                   divisible=aligned).asm["ptx"]
+        dflt_pf = sm90.compile_sm90(k, sig, {**served, "BARRIER": True, "PREFETCH": 0}, warps=ds._WARPS,
+                                    divisible=aligned).asm["ptx"]
+        assert qkv_pf.count("cp.async.bulk.prefetch.L2.global") == dflt_pf.count("cp.async.bulk.prefetch.L2.global") + 2
         check_registers(regs.asm["ptx"], "att_regs", spill_limit=256)
         # two 4-warp programs an SM (the probe's WARPS=4): both fit the shared memory and registers
         meta4 = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 264, 2, False, False, warps=4)
