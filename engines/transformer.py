@@ -207,9 +207,21 @@ _KERNELS = os.environ.get("REALTIME_KERNELS", "1") != "0"
 # list of engines ("text", "csm"). One engine at most: two persistent kernels on one GPU at once,
 # from two engines' streams, could each hold half the SMs and wait for the other half forever.
 _STACK = os.environ.get("REALTIME_STACK", "0").strip().lower()
-# Switches of the stack kernel for the benches ("FMA=10,ATT_REGS=1": decode_stack's ``tune``); empty: its defaults.
-_STACK_TUNE = {k.strip().upper(): int(v) for k, v in (kv.split("=", 1) for kv in
-               os.environ.get("REALTIME_STACK_TUNE", "").split(",") if kv.strip())}
+
+
+def _parse_stack_tune(text: str) -> dict[str, int]:
+    """REALTIME_STACK_TUNE ("FMA=10,ATT_REGS=1") -> decode_stack's ``tune``; decode_stack checks the names."""
+    tune = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not (sep and key.strip() and value.strip().lstrip("-").isdigit()):
+            raise ValueError(f"REALTIME_STACK_TUNE: {item!r} is not NAME=integer (e.g. FMA=10,ATT_REGS=1)")
+        tune[key.strip().upper()] = int(value)
+    return tune
+
+
+# Switches of the stack kernel for the benches (decode_stack's ``tune``); empty: its defaults.
+_STACK_TUNE = _parse_stack_tune(os.environ.get("REALTIME_STACK_TUNE", ""))
 _stack_owner: list[str] = []
 
 

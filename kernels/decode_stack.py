@@ -99,7 +99,7 @@ _TUNABLE = {"STAGES", "BK_QKV", "BK_O", "BK_GU", "BK_D", "GU_ONE_LOOP", "ONE_POL
 def _kernels():
     # the jit'd functions resolve these through module globals
     global triton, tl, gdc_wait, _stamp, _grid_barrier, _own, _prefetch, _norm_rows, _merge_splits, _tile0, _dot_acc, \
-        _rows_dot, _rows_dot2, _add_residual, _rotate, _att_block, _att_out
+        _rows_dot, _rows_dot2, _add_residual, _rotate, _att_block, _att_out, _att_query, _att_arrive, _att_item
     import triton
     import triton.language as tl
     from triton.language.extra.cuda import gdc_wait
@@ -357,6 +357,47 @@ def _kernels():
         return m_new, l_i, o
 
     @triton.jit
+    def _att_item(item, pos_ptr, slots_ptr, HKV: tl.constexpr, NS: tl.constexpr, CHUNK: tl.constexpr,
+                  TMAX: tl.constexpr):
+        # An attention item (row, kv head, split): m, kvh, sp, the row's position and slot, its
+        # key count, and the split's key range [lo, hi) (empty where the split is past the keys).
+        m = item // (HKV * NS)
+        kvh = (item // NS) % HKV
+        sp = item % NS
+        p = tl.load(pos_ptr + m)
+        slot = tl.load(slots_ptr + m)
+        length = tl.minimum(p + 1, TMAX)
+        lo = sp * CHUNK
+        hi = tl.minimum(lo + CHUNK, length)
+        return m, kvh, sp, p, slot, length, lo, hi
+
+    @triton.jit
+    def _att_query(qkv_ptr, m, kvh, g_, gm, dh, dmh, c1, c2, s1, s2, NQKV: tl.constexpr, G: tl.constexpr,
+                   HD: tl.constexpr, HALF: tl.constexpr, DOT_F32: tl.constexpr):
+        # The kv head's G query heads of row m, rotated: (heads, q1, q2), halves of [BLOCK_G, HALF_B].
+        heads = kvh * G + g_
+        qin = qkv_ptr + m * NQKV + heads[:, None] * HD + dh[None, :]
+        qm = gm[:, None] & dmh[None, :]
+        q1, q2 = _rotate(tl.load(qin, mask=qm, other=0.0, cache_modifier=".cg"),
+                         tl.load(qin + HALF, mask=qm, other=0.0, cache_modifier=".cg"),
+                         c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+        if DOT_F32:
+            q1 = q1.to(tl.float32)
+            q2 = q2.to(tl.float32)
+        return heads, q1, q2
+
+    @triton.jit
+    def _att_arrive(cnt_ptr, part_ptr, ml_ptr, attn_ptr, m, kvh, length, H: tl.constexpr, HKV: tl.constexpr,
+                    G: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr, CHUNK: tl.constexpr, NS_B: tl.constexpr,
+                    HD_B: tl.constexpr):
+        # The last of the (row, kv head)'s NS splits to finish merges them: a counter per group
+        # that only grows (NS arrivals a layer), so no reset.
+        tl.debug_barrier()  # every thread's partial stores before the arrival
+        done = tl.atomic_add(cnt_ptr + 2 + m * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+        if done % NS == NS - 1:
+            _merge_splits(part_ptr, ml_ptr, attn_ptr, m, kvh, length, H, G, HD, NS, CHUNK, NS_B, HD_B)
+
+    @triton.jit
     def _att_out(o, m_i, l_i, m, heads, sp, gm, d, dm, attn_ptr, part_ptr, ml_ptr, H: tl.constexpr, HD: tl.constexpr,
                  NS: tl.constexpr):
         # A split's result: the attention output itself (one split), else its partial o, max and sum.
@@ -471,15 +512,8 @@ def _kernels():
                     # (the item's position, slot and angle rows too: L1 hits after the first layer,
                     # read here rather than kept in registers across the layer's GEMV phases)
                     a_item = pid < NITEM
-                    ai = tl.minimum(pid, NITEM - 1)
-                    a_m = ai // (HKV * NS)
-                    a_kvh = (ai // NS) % HKV
-                    a_sp = ai % NS
-                    a_p = tl.load(pos_ptr + a_m)
-                    a_slot = tl.load(slots_ptr + a_m)
-                    a_len = tl.minimum(a_p + 1, TMAX)
-                    a_lo = a_sp * CHUNK
-                    a_hi = tl.minimum(a_lo + CHUNK, a_len)
+                    a_m, a_kvh, a_sp, a_p, a_slot, a_len, a_lo, a_hi = _att_item(tl.minimum(pid, NITEM - 1), pos_ptr,
+                                                                                 slots_ptr, HKV, NS, CHUNK, TMAX)
                     a_on = a_item & (a_lo < a_hi)
                     a_off = a_p * s_tab + dh
                     a_c1 = tl.load(cos_ptr + a_off, mask=dmh & a_on, other=0.0).to(tl.float32)
@@ -547,15 +581,8 @@ def _kernels():
                             kn1 = kn1.to(k_ptr.dtype.element_ty).to(qdt)
                             kn2 = kn2.to(k_ptr.dtype.element_ty).to(qdt)
                             vn = vn.to(v_ptr.dtype.element_ty).to(qdt)
-                            heads = a_kvh * G + g_
-                            qin = qkv_ptr + a_m * NQKV + heads[:, None] * HD + dh[None, :]
-                            qm = gm[:, None] & dmh[None, :]
-                            q1, q2 = _rotate(tl.load(qin, mask=qm, other=0.0, cache_modifier=".cg"),
-                                             tl.load(qin + HALF, mask=qm, other=0.0, cache_modifier=".cg"),
-                                             a_c1[None, :], a_c2[None, :], a_s1[None, :], a_s2[None, :])
-                            if DOT_F32:
-                                q1 = q1.to(tl.float32)
-                                q2 = q2.to(tl.float32)
+                            heads, q1, q2 = _att_query(qkv_ptr, a_m, a_kvh, g_, gm, dh, dmh, a_c1, a_c2, a_s1, a_s2,
+                                                       NQKV, G, HD, HALF, DOT_F32)
                             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
                             l_i = tl.zeros([BLOCK_G], tl.float32)
                             o = tl.zeros([BLOCK_G, HD_B], tl.float32)
@@ -581,23 +608,13 @@ def _kernels():
                                     m_i, l_i, o = _att_block(q1, q2, k1, k2, v, n < a_hi, m_i, l_i, o, qk_scale, DOT_F32)
                             _att_out(o, m_i, l_i, a_m, heads, a_sp, gm, d, dm, attn_ptr, part_ptr, ml_ptr, H, HD, NS)
                         if NS > 1:
-                            tl.debug_barrier()  # every thread's partial stores before the arrival
-                            done = tl.atomic_add(cnt_ptr + 2 + a_m * HKV + a_kvh, 1, sem="acq_rel", scope="gpu")
-                            if done % NS == NS - 1:
-                                _merge_splits(part_ptr, ml_ptr, attn_ptr, a_m, a_kvh, a_len, H, G, HD, NS, CHUNK, NS_B,
-                                              HD_B)
+                            _att_arrive(cnt_ptr, part_ptr, ml_ptr, attn_ptr, a_m, a_kvh, a_len, H, HKV, G, HD, NS, CHUNK,
+                                        NS_B, HD_B)
                 else:
                     for it in range(ITEMS):
                         item = pid + it * P
                         if item < NITEM:
-                            m = item // (HKV * NS)
-                            kvh = (item // NS) % HKV
-                            sp = item % NS
-                            p = tl.load(pos_ptr + m)
-                            slot = tl.load(slots_ptr + m)
-                            length = tl.minimum(p + 1, TMAX)
-                            lo = sp * CHUNK
-                            hi = tl.minimum(lo + CHUNK, length)
+                            m, kvh, sp, p, slot, length, lo, hi = _att_item(item, pos_ptr, slots_ptr, HKV, NS, CHUNK, TMAX)
                             if lo < hi:
                                 c_off = p * s_tab + dh
                                 c1 = tl.load(cos_ptr + c_off, mask=dmh, other=0.0).to(tl.float32)
@@ -615,15 +632,8 @@ def _kernels():
                                     vv = tl.load(kin + HKV * HD + d, mask=dm, other=0.0, cache_modifier=".cg")
                                     tl.store(v_ptr + kb + p * sk_t + d, vv.to(v_ptr.dtype.element_ty), mask=dm)
                                     tl.debug_barrier()
-                                heads = kvh * G + g_
-                                qin = qkv_ptr + m * NQKV + heads[:, None] * HD + dh[None, :]
-                                qm = gm[:, None] & dmh[None, :]
-                                q1, q2 = _rotate(tl.load(qin, mask=qm, other=0.0, cache_modifier=".cg"),
-                                                 tl.load(qin + HALF, mask=qm, other=0.0, cache_modifier=".cg"),
-                                                 c1[None, :], c2[None, :], s1[None, :], s2[None, :])
-                                if DOT_F32:
-                                    q1 = q1.to(tl.float32)
-                                    q2 = q2.to(tl.float32)
+                                heads, q1, q2 = _att_query(qkv_ptr, m, kvh, g_, gm, dh, dmh, c1, c2, s1, s2, NQKV, G, HD,
+                                                           HALF, DOT_F32)
                                 m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
                                 l_i = tl.zeros([BLOCK_G], tl.float32)
                                 o = tl.zeros([BLOCK_G, HD_B], tl.float32)
@@ -643,13 +653,8 @@ def _kernels():
                                         m_i, l_i, o = _att_block(q1, q2, k1, k2, v, nmask, m_i, l_i, o, qk_scale, DOT_F32)
                                 _att_out(o, m_i, l_i, m, heads, sp, gm, d, dm, attn_ptr, part_ptr, ml_ptr, H, HD, NS)
                             if NS > 1:
-                                # The last of the (row, kv head)'s NS splits to finish merges them: a
-                                # counter per group that only grows (NS arrivals a layer), so no reset.
-                                tl.debug_barrier()  # every thread's partial stores before the arrival
-                                done = tl.atomic_add(cnt_ptr + 2 + m * HKV + kvh, 1, sem="acq_rel", scope="gpu")
-                                if done % NS == NS - 1:
-                                    _merge_splits(part_ptr, ml_ptr, attn_ptr, m, kvh, length, H, G, HD, NS, CHUNK, NS_B,
-                                                  HD_B)
+                                _att_arrive(cnt_ptr, part_ptr, ml_ptr, attn_ptr, m, kvh, length, H, HKV, G, HD, NS, CHUNK,
+                                            NS_B, HD_B)
                 _prefetch(wgu_ptr + (l64 * 2 * I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS,
                           (PREFETCH >> 2) & 1)
                 _prefetch(wgu_ptr + (l64 * 2 * I + I + pid * R_GU) * DIM, _own(pid, R_GU, I) * DIM // 4, THREADS,

@@ -359,6 +359,35 @@ def test_stack_is_opt_in_and_for_one_engine(monkeypatch) -> None:
         assert [tr.stack_enabled(e) for e in asks] == granted, value
 
 
+def test_stack_tune_from_the_environment_reaches_the_kernel(monkeypatch) -> None:
+    """REALTIME_STACK_TUNE ("NAME=integer,...") is parsed with a clear error for anything else, and
+    the engine's stack step passes it to decode_stack, which refuses names it does not take."""
+    _interpreted(monkeypatch)
+    import realtime.engines.transformer as tr
+    from realtime.kernels import decode_stack as ds
+
+    assert tr._parse_stack_tune("") == {}
+    assert tr._parse_stack_tune(" fma=10, ATT_REGS=1 ,") == {"FMA": 10, "ATT_REGS": 1}
+    for bad in ("FMA", "FMA=x", "=3"):
+        with pytest.raises(ValueError, match="NAME=integer"):
+            tr._parse_stack_tune(bad)
+    torch.manual_seed(0)
+    model = Transformer(CFG).eval()
+    model.fuse_projections()
+    assert model.enable_decode_stack()
+    seen: list = []
+    monkeypatch.setattr(ds, "decode_stack", lambda *a, f=ds.decode_stack, **kw: seen.append(kw.get("tune")) or f(*a, **kw))
+    cache = KVCache(CFG, n_slots=1, max_seq_len=CFG.max_seq_len, device="cpu", dtype=torch.float32)
+    step = (torch.randn(1, 1, CFG.dim), torch.full((1, 1), 3), cache, torch.tensor([0]))
+    with torch.no_grad():
+        monkeypatch.setattr(tr, "_STACK_TUNE", {"FMA": 0, "STAGES": 2})
+        model(*step)
+        monkeypatch.setattr(tr, "_STACK_TUNE", {"NOT_A_SWITCH": 1})
+        with pytest.raises(ValueError, match="tune takes"):
+            model(*step)
+    assert seen == [{"FMA": 0, "STAGES": 2}, {"NOT_A_SWITCH": 1}]
+
+
 def test_csm_frames_equal_with_the_stack_on_the_interpreter(monkeypatch, tmp_path) -> None:
     """CSM's backbone and depth-decoder steps through the stack kernel give the same greedy frames
     as the layer-by-layer path (fp32, random weights with head dims the kernel takes)."""
