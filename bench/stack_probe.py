@@ -261,8 +261,9 @@ def main() -> int:
     row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
-    # The served switches at one row are FMA=15, ATT_PREFETCH=4, ATT_REGS (launch_meta); each variant
-    # names every switch it differs in, from the plain form (none of them, the served form before).
+    # The served switches at one row are FMA=15, ATT_PREFETCH=4, ATT_REGS (launch_meta). The variants
+    # built on ``plain`` (none of them: the served form before) name every switch they turn on; the
+    # "served" ones change only what they name.
     plain = {"FMA": 0, "ATT_PREFETCH": 0, "ATT_REGS": 0}
     for name, tune in (("plain form (no FMA, ATT_PREFETCH, ATT_REGS)", plain),
                        ("FMA=15 only", {**plain, "FMA": 15}),

@@ -532,13 +532,10 @@ def _kernels():
                 elif ATT_EARLY:
                     # What the program's first attention item reads and q|k|v does not write: its
                     # keys' and values' rows and the angle rows, asked of the L2 before the barrier.
-                    if pid < M * HKV * NS:
-                        m0 = pid // (HKV * NS)
-                        p0 = tl.load(pos_ptr + m0)
-                        lo0 = (pid % NS) * CHUNK
-                        hi0 = tl.minimum(lo0 + CHUNK, tl.minimum(p0 + 1, TMAX))
+                    if pid < NITEM:
+                        _, kvh0, _, p0, slot0, _, lo0, hi0 = _att_item(pid, pos_ptr, slots_ptr, HKV, NS, CHUNK, TMAX)
                         if lo0 < hi0:
-                            kb0 = layer * sk_l + tl.load(slots_ptr + m0) * sk_s + ((pid // NS) % HKV) * sk_h + lo0 * sk_t
+                            kb0 = layer * sk_l + slot0 * sk_s + kvh0 * sk_h + lo0 * sk_t
                             span = (hi0 - lo0 - 1) * sk_t + HD
                             _prefetch(k_ptr + kb0, span, THREADS, True, 2)
                             _prefetch(v_ptr + kb0, span, THREADS, True, 2)
@@ -572,11 +569,10 @@ def _kernels():
                                                tl.load(kin + HALF + dh, mask=dmh, other=0.0, cache_modifier=".cg"),
                                                a_c1, a_c2, a_s1, a_s2)
                             vn = tl.load(kin + HKV * HD + d, mask=dm, other=0.0, cache_modifier=".cg")
-                            kb = layer * sk_l + a_slot * sk_s + a_kvh * sk_h
                             if (a_p >= a_lo) & (a_p < a_hi):  # this split holds the step's own key
-                                tl.store(k_ptr + kb + a_p * sk_t + dh, kn1.to(k_ptr.dtype.element_ty), mask=dmh)
-                                tl.store(k_ptr + kb + a_p * sk_t + HALF + dh, kn2.to(k_ptr.dtype.element_ty), mask=dmh)
-                                tl.store(v_ptr + kb + a_p * sk_t + d, vn.to(v_ptr.dtype.element_ty), mask=dm)
+                                tl.store(k_ptr + kb_r + a_p * sk_t + dh, kn1.to(k_ptr.dtype.element_ty), mask=dmh)
+                                tl.store(k_ptr + kb_r + a_p * sk_t + HALF + dh, kn2.to(k_ptr.dtype.element_ty), mask=dmh)
+                                tl.store(v_ptr + kb_r + a_p * sk_t + d, vn.to(v_ptr.dtype.element_ty), mask=dm)
                             # as the cache holds them (its dtype), for the key row of this step
                             kn1 = kn1.to(k_ptr.dtype.element_ty).to(qdt)
                             kn2 = kn2.to(k_ptr.dtype.element_ty).to(qdt)
@@ -597,10 +593,10 @@ def _kernels():
                                     n = start + tl.arange(0, BLOCK_KV)
                                     new = (n == a_p)[:, None]
                                     om = (n < a_p)[:, None] & dmh[None, :]
-                                    kr = k_ptr + kb + n[:, None].to(tl.int64) * sk_t
+                                    kr = k_ptr + kb_r + n[:, None].to(tl.int64) * sk_t
                                     k1 = tl.load(kr + dh[None, :], mask=om, other=0.0, cache_modifier=".cg").to(qdt)
                                     k2 = tl.load(kr + HALF + dh[None, :], mask=om, other=0.0, cache_modifier=".cg").to(qdt)
-                                    v = tl.load(v_ptr + kb + n[:, None].to(tl.int64) * sk_t + d[None, :],
+                                    v = tl.load(v_ptr + kb_r + n[:, None].to(tl.int64) * sk_t + d[None, :],
                                                 mask=(n < a_p)[:, None] & dm[None, :], other=0.0, cache_modifier=".cg").to(qdt)
                                     k1 = tl.where(new, kn1[None, :], k1)
                                     k2 = tl.where(new, kn2[None, :], k2)
@@ -890,6 +886,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
     chunk = max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(tmax * m * hkv, p)),
                 triton.next_power_of_2(triton.cdiv(tmax, _MAX_SPLITS)))
     ns = triton.cdiv(tmax, chunk)
+    busy = m * hkv * ns  # attention items: (row, kv head, split)
     bd = min(4096, _pow2_at_most(dim))
     while dim % bd:
         bd //= 2
@@ -901,7 +898,7 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         R_D=r_d, BN_D=bn_d, BK_D=_block_k(inter, bn_d),
         STAGES=4, BD=bd, BLOCK_M=triton.next_power_of_2(m), BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         HALF_B=triton.next_power_of_2(hd // 2), HD_B=triton.next_power_of_2(hd),
-        ITEMS=triton.cdiv(m * hkv * ns, p),
+        ITEMS=triton.cdiv(busy, p),
         THREADS=32 * warps, BLOCK_KV=_BLOCK_N, NPH=PHASES, SPIN_LIMIT=_SPIN_LIMIT,
         PREFETCH=15 if prefetch and elem == 2 else 0, DOT_F32=dot_f32, GU_ONE_LOOP=True, ONE_POLLER=True, EARLY=0,
         # At one row, measured fastest on an H100 (2026-12-06, bench/stack_probe.py --quick): 1,124 ->
@@ -910,8 +907,8 @@ def launch_meta(m: int, dim: int, h: int, hkv: int, hd: int, inter: int, n_layer
         # unrolled loop over the busy programs' slices spills hundreds of bytes. Other row counts
         # have not been timed with them: the plain form.
         FMA=15 if m == 1 else 0, ATT_EARLY=0, TRACE=False,
-        ATT_PREFETCH=4 if m == 1 and elem == 2 and 2 * m * hkv * ns <= p else 0,
-        ATT_REGS=1 if m == 1 and m * hkv * ns <= p else 0,
+        ATT_PREFETCH=4 if m == 1 and elem == 2 and 2 * busy <= p else 0,
+        ATT_REGS=1 if m == 1 and busy <= p else 0,
     )
 
 

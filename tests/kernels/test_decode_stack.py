@@ -149,10 +149,13 @@ def test_attention_in_registers_and_fma_masks_give_the_step_on_cuda(slots: list[
         torch.cuda.synchronize()
         return h, k, v
 
-    want = run({"FMA": 0, "ATT_REGS": 0, "ATT_PREFETCH": 0})  # the plain form
-    tunes = [{"ATT_REGS": 1}, {"ATT_REGS": 1, "ATT_PREFETCH": 4}, None]  # (None: the defaults)
+    plain = {"FMA": 0, "ATT_REGS": 0, "ATT_PREFETCH": 0}
+    want = run(plain)
+    # each switch from the plain form (at one row the defaults hold all three), and the defaults (None)
+    tunes = [{**plain, "ATT_REGS": 1}, {**plain, "ATT_REGS": 1, "ATT_PREFETCH": 4}, None]
     if len(slots) == 1:
-        tunes += [{"FMA": 10}, {"FMA": 5}, {"FMA": 15, "ATT_REGS": 1}, {"FMA": 10, "ATT_REGS": 1, "ATT_PREFETCH": 4}]
+        tunes += [{**plain, "FMA": 10}, {**plain, "FMA": 5}, {**plain, "FMA": 15, "ATT_REGS": 1},
+                  {"FMA": 10, "ATT_REGS": 1, "ATT_PREFETCH": 4}]
     for tune in tunes:
         h, k, v = run(tune)
         torch.testing.assert_close(h, want[0], rtol=1e-2, atol=1e-2, msg=str(tune))
@@ -324,13 +327,13 @@ for m, dim, h, hkv, hd, inter, nl, tmax in ((1, 2048, 32, 8, 64, 8192, 16, 272),
         regs = sm90.compile_sm90(k, sig, {**meta, "BARRIER": True, "ATT_REGS": 1, "FMA": 15, "ATT_PREFETCH": 4},
                                  warps=ds._WARPS, divisible=aligned)
         assert regs.metadata.shared <= fma.metadata.shared
+        check_registers(regs.asm["ptx"], "att_regs", spill_limit=256)
         # the L2 prefetch as a mask: q|k|v only (at the kernel's start and at each down phase's end)
         qkv_pf = sm90.compile_sm90(k, sig, {**served, "BARRIER": True, "PREFETCH": 1}, warps=ds._WARPS,
                                    divisible=aligned).asm["ptx"]
         dflt_pf = sm90.compile_sm90(k, sig, {**served, "BARRIER": True, "PREFETCH": 0}, warps=ds._WARPS,
                                     divisible=aligned).asm["ptx"]
         assert qkv_pf.count("cp.async.bulk.prefetch.L2.global") == dflt_pf.count("cp.async.bulk.prefetch.L2.global") + 2
-        check_registers(regs.asm["ptx"], "att_regs", spill_limit=256)
         # two 4-warp programs an SM (the probe's WARPS=4): both fit the shared memory and registers
         meta4 = ds.launch_meta(m, dim, h, hkv, hd, inter, nl, tmax, 264, 2, False, False, warps=4)
         four = sm90.compile_sm90(k, sig, {**meta4, "BARRIER": True}, warps=4, divisible=aligned)
