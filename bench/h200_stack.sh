@@ -6,7 +6,7 @@
 #   PARTS="probe text csm ncu" bash bench/h200_stack.sh COMMIT [OUT_DIR]
 # STACK_TESTS=0 skips the tests (already passed at this commit); PROBE_ARGS, CSM_ARGS pass flags
 # (--quick, --skip-hf); STACK_TUNE sets the stack's switches for text and csm (REALTIME_STACK_TUNE,
-# e.g. "FMA=10,ATT_REGS=1"). PARTS picks the steps after the tests (probe, text, csm by default: ~9 min,
+# e.g. "FMA=10,ATT_REGS=1"); STACK_KERNEL=cuda runs the CUDA C++ stack instead (REALTIME_STACK_KERNEL). PARTS picks the steps after the tests (probe, text, csm by default: ~9 min,
 # more than one call allows on a cold machine; "probe text" and "csm" fit one call each; ncu).
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-probe text csm}"
@@ -14,7 +14,7 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 
 echo "== GPU tests of the stack kernel"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-if [ "${STACK_TESTS:-1}" = 0 ] || timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gpu tests/kernels/test_decode_stack.py \
+if [ "${STACK_TESTS:-1}" = 0 ] || timeout "${STACK_TEST_TIMEOUT:-200}" python3 -m pytest -q -x -rs $xdist -m gpu tests/kernels/test_decode_stack.py tests/kernels/test_decode_stack_cuda.py \
      tests/engines/test_transformer_kernels.py > "$work/stack_tests.log" 2>&1; then
   [ -f "$work/stack_tests.log" ] && tail -3 "$work/stack_tests.log"
   if has probe; then
@@ -27,7 +27,7 @@ if [ "${STACK_TESTS:-1}" = 0 ] || timeout "${STACK_TEST_TIMEOUT:-200}" python3 -
   if has text; then
     for s in 0 text; do
       echo "== text decode, REALTIME_STACK=$s"
-      REALTIME_STACK=$s REALTIME_STACK_TUNE="${STACK_TUNE:-}" timeout "${TEXT_TIMEOUT:-120}" python3 bench/text.py --batches 1 --no-hf --profile \
+      REALTIME_STACK=$s REALTIME_STACK_TUNE="${STACK_TUNE:-}" REALTIME_STACK_KERNEL="${STACK_KERNEL:-triton}" timeout "${TEXT_TIMEOUT:-120}" python3 bench/text.py --batches 1 --no-hf --profile \
         --out "$work/text_stack_$s.json" > "$work/text_stack_$s.log" 2>&1
       grep -v "GEMV choice" "$work/text_stack_$s.log" | grep "ours-\|device-only\|floor\|_stack_kernel" \
         | cut -c1-170 | tail -10
@@ -49,7 +49,7 @@ if [ "${STACK_TESTS:-1}" = 0 ] || timeout "${STACK_TEST_TIMEOUT:-200}" python3 -
   if has csm; then
     for s in 0 csm; do
       echo "== CSM engine, REALTIME_STACK=$s"
-      REALTIME_STACK=$s REALTIME_STACK_TUNE="${STACK_TUNE:-}" timeout "${CSM_TIMEOUT:-150}" python3 bench/csm_engine.py ${CSM_ARGS:-} --folder /tmp/csm1b --batches 1 \
+      REALTIME_STACK=$s REALTIME_STACK_TUNE="${STACK_TUNE:-}" REALTIME_STACK_KERNEL="${STACK_KERNEL:-triton}" timeout "${CSM_TIMEOUT:-150}" python3 bench/csm_engine.py ${CSM_ARGS:-} --folder /tmp/csm1b --batches 1 \
         --variants graphed_kernels --frames 48 --out "$work/csm_stack_$s.json" > "$work/csm_stack_$s.log" 2>&1
       grep "^\[" "$work/csm_stack_$s.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|sampler choice" | cut -c1-300
     done

@@ -165,6 +165,70 @@ def finish(args, ds, w, cfg, bw: float, weight_bytes: int, sms: int, rows: list,
     return 0 if flags == 0 else 1
 
 
+def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes: int, row, sms: int,  # noqa: ANN001
+              rows: list) -> None:
+    """The CUDA C++ stack (kernels/decode_stack_cuda.py): as served, other split counts and ring
+    sizes, each checked against the layer path's step (output and the step's K/V rows)."""
+    from realtime.kernels import decode_stack_cuda as dsc
+
+    if args.no_cuda or not dsc.available():
+        log("CUDA stack: skipped (--no-cuda, or no sm_90 GPU / nvcc)")
+        return
+    saved = model.stack
+    model.stack = None
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    p0 = int(pos[0])
+    with torch.no_grad():
+        ref = model._decode(step_x[:, None], pos, cache, slots)[:, 0].float()
+    rk, rv = cache.k[:, :, :, p0].float(), cache.v[:, :, :, p0].float()
+    model.stack = saved
+    for ns in (None, 4, 8, 16):
+        for stages in (None, 6) if ns is None else (None,):
+            def fn(ns=ns, stages=stages):  # noqa: ANN202
+                return dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, splits=ns, stages=stages)
+            name = f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}" + (
+                f", {stages} stages" if stages else "")
+            try:
+                cache.k.copy_(k0)
+                cache.v.copy_(v0)
+                out = fn().float()
+                torch.cuda.synchronize()
+                rel = float((out - ref).norm() / ref.norm())
+                relk = float((cache.k[:, :, :, p0].float() - rk).norm() / rk.norm())
+                relv = float((cache.v[:, :, :, p0].float() - rv).norm() / rv.norm())
+                log(f"  {name}: vs the layer path: out {rel:.2e}, k {relk:.2e}, v {relv:.2e} (relative); "
+                    f"counter timeouts {dsc.errors(w)}")
+            except Exception as exc:  # a failing build or launch must not lose the other rows
+                log(f"  {name}: failed: {exc!r}"[:400])
+                continue
+            row(name, fn, weight_bytes)
+    # Where the CUDA stack's time goes: each SM's cycle counts for one step, and the step without
+    # its waits (mode 1) and without its arithmetic too (mode 2: how fast the weights stream alone)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    for mode, name in ((1, "CUDA stack, no counter waits (probe mode 1)"),
+                       (2, "CUDA stack, weights streamed only (probe mode 2)")):
+        row(name, lambda mode=mode: dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, mode=mode),
+            weight_bytes)
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    stats = torch.zeros(sms, dsc.STATS, dtype=torch.int64, device=step_x.device)
+    for _ in range(3):
+        dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, stats=stats)
+    torch.cuda.synchronize()
+    st = stats.double().cpu()
+    total = float(st[:, 9].max())
+    log(f"CUDA stack, cycle counts of one step ({sms} SMs; the slowest consumer total = 1.00):")
+    for i, name in enumerate(dsc.STAT_NAMES):
+        col = st[:, i]
+        if i == 11:
+            log(f"  {name:<42} mean {float(col.mean()):9.1f}  max {float(col.max()):9.1f}")
+        else:
+            log(f"  {name:<42} mean {float(col.mean()) / total:6.3f}  max {float(col.max()) / total:6.3f}  "
+                f"min {float(col.min()) / total:6.3f}   ({float(col.max()):.0f} cycles)")
+    rows.append(dict(name="CUDA stack cycle counts", stat_names=list(dsc.STAT_NAMES),
+                     mean=st.mean(0).tolist(), max=st.max(0).values.tolist(), min=st.min(0).values.tolist()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="1b")
@@ -176,6 +240,7 @@ def main() -> int:
                          "FMA / ATT_PREFETCH / ATT_EARLY / ATT_REGS variants (each checked against the served step), "
                          "and traces")
     ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
+    ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--ncu", action="store_true",
                     help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
@@ -261,6 +326,7 @@ def main() -> int:
     row("layer-by-layer (_decode, no stack)", lambda: model._decode(step_x[:, None], pos, cache, slots), weight_bytes)
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
+    cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes, row, sms, rows)
     # The served switches at one row are FMA=15, ATT_PREFETCH=4, ATT_REGS (launch_meta). The variants
     # built on ``plain`` (none of them: the served form before) name every switch they turn on; the
     # "served" ones change only what they name.

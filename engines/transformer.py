@@ -220,6 +220,11 @@ def _parse_stack_tune(text: str) -> dict[str, int]:
     return tune
 
 
+# Which stack kernel: "triton" (kernels/decode_stack.py, default) or "cuda" (the CUDA C++ kernel of
+# kernels/decode_stack_cuda.py: one bf16 row on an sm_90 GPU with nvcc; other steps keep Triton's).
+_STACK_KERNEL = os.environ.get("REALTIME_STACK_KERNEL", "triton").strip().lower()
+if _STACK_KERNEL not in ("triton", "cuda"):
+    raise ValueError(f"REALTIME_STACK_KERNEL must be triton or cuda, got {_STACK_KERNEL!r}")
 # Switches of the stack kernel for the benches (decode_stack's ``tune``); empty: its defaults.
 _STACK_TUNE = _parse_stack_tune(os.environ.get("REALTIME_STACK_TUNE", ""))
 _stack_owner: list[str] = []
@@ -535,6 +540,7 @@ class Transformer(nn.Module):
         self._rope_tables: dict[tuple, tuple[Tensor, Tensor]] = {}
         self.stack = None  # kernels.decode_stack.StackWeights once ``enable_decode_stack`` ran
         self.stack_programs: int | None = None  # programs of the persistent kernel (None: one per SM)
+        self.stack_cuda = False  # one-row bf16 steps take the CUDA C++ stack (REALTIME_STACK_KERNEL=cuda)
 
     def rope_table(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, sin) [n, D] in ``dtype`` for positions 0..n-1, on inv_freq's device: the same
@@ -650,6 +656,12 @@ class Transformer(nn.Module):
         cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
         pos = pos.contiguous()  # once here, not in every layer's kernel call
         if self.stack is not None and b <= STACK_MAX_M and x.dtype == self.stack.qkv.dtype == cache.dtype:
+            if self.stack_cuda and b == 1:
+                from realtime.kernels.decode_stack_cuda import decode_stack_cuda
+
+                h = decode_stack_cuda(self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v,
+                                      slots.contiguous(), cos, sin, programs=self.stack_programs)
+                return h.view(b, 1, cfg.dim)
             from realtime.kernels.decode_stack import decode_stack
 
             h = decode_stack(self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v,
@@ -684,6 +696,12 @@ class Transformer(nn.Module):
         if self.stack is None:
             self.stack = stack_weights(self)
         self.stack_programs = programs
+        if _STACK_KERNEL == "cuda":
+            from realtime.kernels import decode_stack_cuda as dsc
+
+            w = self.stack
+            self.stack_cuda = (w.qkv.is_cuda and w.qkv.dtype == torch.bfloat16 and dsc.available(w.qkv.device)
+                               and dsc.takes(cfg.dim, cfg.intermediate_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim))
         return True
 
     def fuse_projections(self) -> None:

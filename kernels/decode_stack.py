@@ -934,7 +934,7 @@ def trace_summary(trace: Tensor) -> tuple[float, list[dict]]:
 def errors(w: StackWeights) -> int:
     """How many of this stack's launches hit the barrier's poll limit (a bug: then results are
     wrong); reads the device flag (a sync)."""
-    return sum(int(sc.counter[1]) for sc in w.scratch.values())
+    return sum(int(sc.counter[1]) for sc in w.scratch.values() if isinstance(sc, _Scratch))
 
 
 def stack_weights(transformer) -> StackWeights:  # noqa: ANN001

@@ -1,0 +1,695 @@
+// One-token decode step of a whole Llama decoder stack (one row, bf16) in ONE persistent kernel,
+// with the weights streamed into shared memory ahead of the data they multiply.
+//
+// kernels/decode_stack_cuda.py builds and launches it; kernels/decode_stack.py (Triton) is the
+// same step with grid barriers between phases. What this kernel does that Triton cannot express:
+//
+//   * A producer warp per SM walks the SM's whole weight schedule for the step (its rows of
+//     q|k|v, o, gate|up and down, layer after layer) and copies each 16 KB piece into a ring of
+//     shared-memory stages with bulk copies (cp.async.bulk, completion on an mbarrier). It waits
+//     only for a free stage, never for activations: while the consumers wait for the other SMs
+//     (a phase boundary, the attention), the HBM keeps streaming the next phase's weights.
+//   * The phases wait on counters, one per (layer, phase), that only the SMs whose results a
+//     phase needs have to reach; the attention waits for q|k|v, the o rows for the 8 merged
+//     heads, and so on. The counters reset themselves at the end of the step.
+//
+// Per layer, for every SM (P of them, one block each, all resident):
+//   Q  input RMSNorm of the residual (each SM normalises the whole row into shared memory),
+//      then its rows of q|k|v                                  -> qkv scratch; counter Q += 1
+//   A  (SMs < HKV * NS) one attention item (kv head, split): RoPE, the own key and value
+//      written into the cache, online softmax over the split's keys; the last split of a kv
+//      head to finish merges the partials                       -> attn; counter A += 1 a kv head
+//   O  its rows of o + the residual                             -> res;  counter O += 1
+//   G  post-attention RMSNorm, its rows of gate and up, SwiGLU  -> act;  counter G += 1
+//   D  its rows of down + the residual                          -> res;  counter D += 1
+// then SM 0 writes the final RMSNorm.
+//
+// Numerics are the layer-by-layer kernels' roundings (as in decode_stack.py): float32 sums,
+// products rounded to bf16 before the residual add, the residual rounded, RMSNorm's
+// (x * rstd) rounded before the weight, RoPE's products rounded, p rounded to bf16 before p.v.
+// Summation orders differ, so results agree within bf16 rounding, not bit for bit.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumers = kConsumerWarps * 32;
+constexpr int kThreads = kConsumers + 32;  // + the producer warp
+constexpr int kStageBytes = 16384;
+constexpr int kStageElems = kStageBytes / 2;
+constexpr int kSeg = kStageElems / kConsumerWarps;  // elements a warp multiplies a stage (1024)
+constexpr int kKeys = 32;                            // keys an attention block
+constexpr int kPhases = 5;
+constexpr int kMaxParts = 1024;                      // float partial sums a phase (checked by the launcher)
+constexpr unsigned kSpinLimit = 1u << 22;  // polls (~3 s) before a wait gives up: a bug, flagged
+
+struct Params {
+  const __nv_bfloat16* x;  // [DIM] the step's input row
+  __nv_bfloat16* out;      // [DIM] final-norm output
+  __nv_bfloat16* res;      // [DIM] residual scratch
+  __nv_bfloat16* qkv;      // [NQKV]
+  __nv_bfloat16* attn;     // [H HD]
+  float* part;             // [H, NS, HD]
+  float* ml;               // [H, NS, 2]
+  __nv_bfloat16* act;      // [I]
+  int* cnt;                // [L * kPhases + L * HKV] counters (zero between steps), then [1] the error flag
+  const __nv_bfloat16* wqkv;  // [L, NQKV, DIM]
+  const __nv_bfloat16* wo;    // [L, DIM, H HD]
+  const __nv_bfloat16* wgu;   // [L, 2 I, DIM]: gate rows, then up rows
+  const __nv_bfloat16* wd;    // [L, DIM, I]
+  const __nv_bfloat16* nrm;   // [L, 2, DIM]
+  const __nv_bfloat16* fnorm; // [DIM]
+  __nv_bfloat16* kc;          // [L, S, HKV, TMAX, HD] (strides below, elements)
+  __nv_bfloat16* vc;
+  const __nv_bfloat16* cos;   // [*, HD] by position
+  const __nv_bfloat16* sin;
+  const int64_t* pos;         // [1]
+  const int64_t* slots;       // [1]
+  float eps, qk_scale;        // qk_scale includes log2(e)
+  int64_t sk_l, sk_s, sk_h, sk_t, s_tab;
+  int L, DIM, H, HKV, HD, I, TMAX, NS, nstages;
+  long long* stats;  // [P, kStats] SM-cycle counts (a probe's diagnosis), or null
+  int mode;          // 0: the step; probes: 1 no counter waits (wrong results), 2 also no arithmetic
+};
+
+// stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
+// cycles the consumers waited for a stage's bytes, waited at the counters before Q (the previous
+// layer's down), A (q|k|v), O (the heads), G (o), D (gate|up), in the attention, total, in the
+// row loads and norms, stages consumed
+constexpr int kStats = 16;
+
+// ---- PTX helpers: mbarriers, bulk copies, acquire/release counters
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred P1;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      " @!P1 bra WAIT_%=;\n}" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void consumers_sync() {  // the consumer warps only (the producer runs on)
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
+}
+
+__device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// ---- the weight schedule, walked identically by the producer and the consumers
+
+struct Slice {  // rows [row0, row0 + n) of a weight [N, K]
+  const __nv_bfloat16* w;
+  int row0, n, K, rps;  // rps: rows a stage
+  __device__ int stages() const { return n > 0 ? (n + rps - 1) / rps : 0; }
+  __device__ const __nv_bfloat16* src(int s) const { return w + (int64_t)(row0 + s * rps) * K; }
+  __device__ int rows(int s) const { return min(rps, n - s * rps); }
+};
+
+__device__ __forceinline__ Slice slice(const __nv_bfloat16* w, int N, int K, int pid, int P) {
+  int r = (N + P - 1) / P;
+  int row0 = pid * r;
+  int n = max(0, min(r, N - row0));
+  return Slice{w, row0, n, K, kStageElems / K};
+}
+
+// The SM's slices of layer l: 0 q|k|v, 1 o, 2 gate, 3 up (gate and up stages alternate), 4 down.
+__device__ __forceinline__ void layer_slices(const Params& p, int l, int pid, int P, Slice* s) {
+  int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
+  s[0] = slice(p.wqkv + (int64_t)l * nqkv * p.DIM, nqkv, p.DIM, pid, P);
+  s[1] = slice(p.wo + (int64_t)l * p.DIM * hhd, p.DIM, hhd, pid, P);
+  const __nv_bfloat16* g = p.wgu + (int64_t)l * 2 * p.I * p.DIM;
+  s[2] = slice(g, p.I, p.DIM, pid, P);
+  s[3] = slice(g + (int64_t)p.I * p.DIM, p.I, p.DIM, pid, P);
+  s[4] = slice(p.wd + (int64_t)l * p.DIM * p.I, p.DIM, p.I, pid, P);
+}
+
+struct Ring {
+  __nv_bfloat16* buf;  // nstages x kStageElems
+  uint64_t* full;
+  uint64_t* empty;
+  int n;
+};
+
+__device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
+  // one lane issues every copy; the stage index g runs over the whole step
+  uint32_t g = 0;
+  long long t_start = clock64(), waited = 0;
+  auto issue = [&](const Slice& s, int i) {
+    int slot = g % ring.n;
+    uint32_t use = g / ring.n;
+    long long t0 = p.stats ? clock64() : 0;
+    mbar_wait(&ring.empty[slot], (use & 1) ^ 1);
+    if (p.stats) waited += clock64() - t0;
+    uint32_t bytes = (uint32_t)s.rows(i) * s.K * 2;
+    mbar_expect_tx(&ring.full[slot], bytes);
+    bulk_copy(ring.buf + (size_t)slot * kStageElems, s.src(i), bytes, &ring.full[slot]);
+    ++g;
+  };
+  for (int l = 0; l < p.L; ++l) {
+    Slice s[5];
+    layer_slices(p, l, pid, P, s);
+    for (int i = 0; i < s[0].stages(); ++i) issue(s[0], i);
+    for (int i = 0; i < s[1].stages(); ++i) issue(s[1], i);
+    for (int i = 0; i < s[2].stages(); ++i) {
+      issue(s[2], i);
+      issue(s[3], i);
+    }
+    for (int i = 0; i < s[4].stages(); ++i) issue(s[4], i);
+  }
+  if (p.stats) {
+    p.stats[pid * kStats + 0] = waited;
+    p.stats[pid * kStats + 1] = clock64() - t_start;
+  }
+}
+
+struct Consumer {
+  const Params& p;
+  Ring ring;
+  float* xs;     // the GEMV's input row (float32), also the attention's scratch
+  float* parts;  // [kMaxParts] per-warp partial sums of the phase's rows
+  float* red;    // [kConsumerWarps + 1] block reductions
+  int* flag;
+  int tid, warp, lane, pid, P;
+  uint32_t g = 0;  // stage index, as the producer's
+  long long st[kStats] = {};  // thread 0's cycle counts (stats)
+
+  __device__ void wait_count(const int* c, int target, int kind) {
+    long long t0 = clock64();
+    if (tid == 0 && p.mode == 0) {
+      unsigned n = 0;
+      while (ld_acquire(c) < target) {
+        if (++n > kSpinLimit) {
+          atomicOr(p.cnt + p.L * kPhases + p.L * p.HKV, 1);
+          break;
+        }
+      }
+    }
+    consumers_sync();
+    st[3 + kind] += clock64() - t0;
+  }
+
+  __device__ void signal(int* c) {  // after every consumer's stores
+    consumers_sync();
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(c, 1);
+    }
+  }
+
+  // xs = RMSNorm(src) * w with rmsnorm's roundings; src written by other SMs (read through L2)
+  __device__ void norm_into_xs(const __nv_bfloat16* src, const __nv_bfloat16* w) {
+    float ss = 0.f;
+    for (int k = tid; k < p.DIM; k += kConsumers) {
+      float v = __bfloat162float(__ldcg(src + k));
+      xs[k] = v;
+      ss += v * v;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    consumers_sync();
+    float tot = 0.f;
+#pragma unroll
+    for (int i = 0; i < kConsumerWarps; ++i) tot += red[i];
+    float rstd = rsqrtf(tot / p.DIM + p.eps);
+    for (int k = tid; k < p.DIM; k += kConsumers) xs[k] = bf(bf(xs[k] * rstd) * __bfloat162float(w[k]));
+    consumers_sync();
+  }
+
+  __device__ void load_into_xs(const __nv_bfloat16* src, int n) {
+    for (int k = tid * 8; k < n; k += kConsumers * 8) {
+      uint4 u = __ldcg(reinterpret_cast<const uint4*>(src + k));
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float2 f = __bfloat1622float2(h[j]);
+        xs[k + 2 * j] = f.x;
+        xs[k + 2 * j + 1] = f.y;
+      }
+    }
+    consumers_sync();
+  }
+
+  // Multiply stage i of slice s by xs; each warp's partial goes to parts[base + row * segs + seg].
+  __device__ void stage(const Slice& s, int i, int base) {
+    int slot = g % ring.n;
+    uint32_t use = g / ring.n;
+    ++g;
+    long long t0 = clock64();
+    mbar_wait(&ring.full[slot], use & 1);
+    st[2] += clock64() - t0;
+    st[11] += 1;
+    int e0 = warp * kSeg;
+    int nr = s.rows(i);
+    if (e0 < nr * s.K && p.mode < 2) {
+      const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + e0;
+      int col0 = e0 % s.K;
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < kSeg / 256; ++j) {
+        int off = lane * 8 + j * 256;
+        uint4 u = *reinterpret_cast<const uint4*>(wst + off);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        const float4 xa = *reinterpret_cast<const float4*>(xs + col0 + off);
+        const float4 xb = *reinterpret_cast<const float4*>(xs + col0 + off + 4);
+        float2 w0 = __bfloat1622float2(h[0]), w1 = __bfloat1622float2(h[1]);
+        float2 w2 = __bfloat1622float2(h[2]), w3 = __bfloat1622float2(h[3]);
+        acc = fmaf(w0.x, xa.x, acc);
+        acc = fmaf(w0.y, xa.y, acc);
+        acc = fmaf(w1.x, xa.z, acc);
+        acc = fmaf(w1.y, xa.w, acc);
+        acc = fmaf(w2.x, xb.x, acc);
+        acc = fmaf(w2.y, xb.y, acc);
+        acc = fmaf(w3.x, xb.z, acc);
+        acc = fmaf(w3.y, xb.w, acc);
+      }
+      acc = warp_sum(acc);
+      int segs = s.K / kSeg;
+      if (lane == 0) parts[base + (i * s.rps + e0 / s.K) * segs + col0 / kSeg] = acc;
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&ring.empty[slot]);
+  }
+
+  // the slice's rows, each the sum of its segments' partials (after the stages and a sync)
+  __device__ float row_sum(const Slice& s, int base, int r) const {
+    int segs = s.K / kSeg;
+    float a = 0.f;
+    for (int j = 0; j < segs; ++j) a += parts[base + r * segs + j];
+    return a;
+  }
+
+  __device__ void attention(int l, int item) {
+    const int HD = p.HD, HALF = HD / 2, G = p.H / p.HKV, NS = p.NS;
+    const int kvh = item / NS, sp = item % NS;
+    const int64_t pos = p.pos[0];
+    const int64_t slot = p.slots[0];
+    const int length = (int)(pos + 1 < p.TMAX ? pos + 1 : p.TMAX);
+    const int chunk = (length + NS - 1) / NS;
+    const int lo = sp * chunk, hi = min(lo + chunk, length);
+    const int kstride = HD + 8;  // the key block's row stride (16-byte rows, no bank conflicts)
+    // scratch in xs: q [G, HD], cos/sin rows [2 HD], own k and v [2 HD], p [G, kKeys], alpha [G],
+    // keys [kKeys, HD + 8] and values [kKeys, HD] (bf16)
+    float* qs = xs;
+    float* cs = qs + G * HD;
+    float* sn = cs + HD;
+    float* kn = sn + HD;
+    float* vn = kn + HD;
+    float* pb = vn + HD;
+    float* al = pb + G * kKeys;
+    __nv_bfloat16* kb = reinterpret_cast<__nv_bfloat16*>(al + 8 * ((G + 7) / 8) * 4);  // 16-byte aligned
+    __nv_bfloat16* vb = kb + kKeys * kstride;
+    const int64_t cbase = l * p.sk_l + slot * p.sk_s + kvh * p.sk_h;
+    const __nv_bfloat16* qkv = p.qkv;
+    bool on = lo < hi;
+    if (on) {
+      for (int d = tid; d < HD; d += kConsumers) {
+        cs[d] = __bfloat162float(p.cos[pos * p.s_tab + d]);
+        sn[d] = __bfloat162float(p.sin[pos * p.s_tab + d]);
+      }
+      consumers_sync();
+      // q of the G heads and (in the split that holds it) the own key, rotated as the rotary kernel does
+      for (int e = tid; e < (G + 1) * HALF; e += kConsumers) {
+        int g2 = e / HALF, d = e % HALF;
+        const __nv_bfloat16* src = g2 < G ? qkv + (kvh * G + g2) * HD : qkv + (p.H + kvh) * HD;
+        float a = __bfloat162float(__ldcg(src + d)), b = __bfloat162float(__ldcg(src + d + HALF));
+        float o1 = bf(bf(a * cs[d]) - bf(b * sn[d]));
+        float o2 = bf(bf(b * cs[d + HALF]) + bf(a * sn[d + HALF]));
+        if (g2 < G) {
+          qs[g2 * HD + d] = o1;
+          qs[g2 * HD + d + HALF] = o2;
+        } else {
+          kn[d] = o1;
+          kn[d + HALF] = o2;
+        }
+      }
+      for (int d = tid; d < HD; d += kConsumers) vn[d] = __bfloat162float(__ldcg(qkv + (p.H + p.HKV + kvh) * HD + d));
+      consumers_sync();
+      if (pos >= lo && pos < hi) {  // this split holds the step's own key: into the cache
+        for (int d = tid; d < HD; d += kConsumers) {
+          p.kc[cbase + pos * p.sk_t + d] = __float2bfloat16(kn[d]);
+          p.vc[cbase + pos * p.sk_t + d] = __float2bfloat16(vn[d]);
+        }
+      }
+      float m_i = -INFINITY, l_i = 0.f;  // warp g's head (lanes agree)
+      float o[4] = {0.f, 0.f, 0.f, 0.f};  // thread's (head, dim) pairs tid, tid + 256, ...
+      for (int start = lo; start < hi; start += kKeys) {
+        // the block's keys and values: from the cache, the own one from registers
+        for (int e = tid; e < kKeys * (HD / 8); e += kConsumers) {
+          int j = e / (HD / 8), c = (e % (HD / 8)) * 8;
+          int n = start + j;
+          uint4 ku = make_uint4(0, 0, 0, 0), vu = make_uint4(0, 0, 0, 0);
+          if (n < hi && n != pos) {
+            ku = __ldcg(reinterpret_cast<const uint4*>(p.kc + cbase + n * p.sk_t + c));
+            vu = __ldcg(reinterpret_cast<const uint4*>(p.vc + cbase + n * p.sk_t + c));
+          } else if (n == pos) {
+            __nv_bfloat162* kh = reinterpret_cast<__nv_bfloat162*>(&ku);
+            __nv_bfloat162* vh = reinterpret_cast<__nv_bfloat162*>(&vu);
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+              kh[t] = __floats2bfloat162_rn(kn[c + 2 * t], kn[c + 2 * t + 1]);
+              vh[t] = __floats2bfloat162_rn(vn[c + 2 * t], vn[c + 2 * t + 1]);
+            }
+          }
+          *reinterpret_cast<uint4*>(kb + j * kstride + c) = ku;
+          *reinterpret_cast<uint4*>(vb + j * HD + c) = vu;
+        }
+        consumers_sync();
+        for (int gh = warp; gh < G; gh += kConsumerWarps) {  // warp gh: head gh, lane j: key j
+          const __nv_bfloat16* kr = kb + lane * kstride;
+          float s = 0.f;
+          for (int c = 0; c < HD; c += 8) {
+            uint4 u = *reinterpret_cast<const uint4*>(kr + c);
+            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+              float2 f = __bfloat1622float2(h[t]);
+              s = fmaf(qs[gh * HD + c + 2 * t], f.x, s);
+              s = fmaf(qs[gh * HD + c + 2 * t + 1], f.y, s);
+            }
+          }
+          s = start + lane < hi ? s * p.qk_scale : -INFINITY;
+          float m_new = fmaxf(m_i, warp_max(s));
+          float alpha = exp2f(m_i - m_new);
+          float pr = exp2f(s - m_new);
+          l_i = l_i * alpha + warp_sum(pr);
+          m_i = m_new;
+          pb[gh * kKeys + lane] = bf(pr);
+          if (lane == 0) al[gh] = alpha;
+        }
+        consumers_sync();
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          int e = tid + t * kConsumers;
+          if (e >= G * HD) break;
+          int gh = e / HD, d = e % HD;
+          float a = o[t] * al[gh];
+          for (int j = 0; j < kKeys; ++j) a = fmaf(pb[gh * kKeys + j], __bfloat162float(vb[j * HD + d]), a);
+          o[t] = a;
+        }
+        consumers_sync();
+      }
+      // the split's partial (or, with one split, the output)
+      if (warp < G && lane == 0) {
+        int row = (kvh * G + warp) * NS + sp;
+        p.ml[row * 2] = m_i;
+        p.ml[row * 2 + 1] = l_i;
+        al[warp] = l_i;
+      }
+      consumers_sync();
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        int e = tid + t * kConsumers;
+        if (e >= G * HD) break;
+        int gh = e / HD, d = e % HD;
+        if (NS == 1) {
+          float den = al[gh];
+          p.attn[(kvh * G + gh) * HD + d] = __float2bfloat16(o[t] / (den > 0.f ? den : 1.f));
+        } else {
+          p.part[((kvh * G + gh) * NS + sp) * HD + d] = o[t];
+        }
+      }
+    }
+    if (NS == 1) {
+      signal(p.cnt + l * kPhases + 1);
+      return;
+    }
+    // the last split of the kv head to arrive merges the partials
+    consumers_sync();
+    if (tid == 0) {
+      __threadfence();
+      *flag = atomicAdd(p.cnt + p.L * kPhases + l * p.HKV + kvh, 1) == NS - 1;
+      __threadfence();
+    }
+    consumers_sync();
+    if (!*flag) return;
+    for (int e = tid; e < G * HD; e += kConsumers) {
+      int gh = e / HD, d = e % HD;
+      int row0 = (kvh * G + gh) * NS;
+      float mx = -INFINITY;
+      for (int s2 = 0; s2 < NS && s2 * chunk < length; ++s2) mx = fmaxf(mx, __ldcg(p.ml + (row0 + s2) * 2));
+      float den = 0.f, num = 0.f;
+      for (int s2 = 0; s2 < NS && s2 * chunk < length; ++s2) {
+        float w = exp2f(__ldcg(p.ml + (row0 + s2) * 2) - mx);
+        den = fmaf(__ldcg(p.ml + (row0 + s2) * 2 + 1), w, den);
+        num = fmaf(__ldcg(p.part + (row0 + s2) * HD + d), w, num);
+      }
+      p.attn[(kvh * G + gh) * HD + d] = __float2bfloat16(num / (den > 0.f ? den : 1.f));
+    }
+    signal(p.cnt + l * kPhases + 1);
+  }
+
+  __device__ void run() {
+    long long t_start = clock64();
+    run_layers();
+    if (p.stats && tid == 0) {
+      st[9] = clock64() - t_start;
+      for (int i = 2; i < kStats; ++i) p.stats[pid * kStats + i] = st[i];
+    }
+  }
+
+  __device__ void run_layers() {
+    const int hhd = p.H * p.HD;
+    const int nitem = p.HKV * p.NS;
+    int* cnt = p.cnt;
+    for (int l = 0; l < p.L; ++l) {
+      Slice s[5];
+      layer_slices(p, l, pid, P, s);
+      const __nv_bfloat16* src = l == 0 ? p.x : p.res;
+      const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
+      // Q
+      if (l > 0) wait_count(cnt + (l - 1) * kPhases + 4, P, 0);
+      long long tn = clock64();
+      norm_into_xs(src, nw);
+      st[10] += clock64() - tn;
+      for (int i = 0; i < s[0].stages(); ++i) stage(s[0], i, 0);
+      consumers_sync();
+      for (int r = tid; r < s[0].n; r += kConsumers) p.qkv[s[0].row0 + r] = __float2bfloat16(row_sum(s[0], 0, r));
+      signal(cnt + l * kPhases + 0);
+      // A
+      if (pid < nitem) {
+        wait_count(cnt + l * kPhases + 0, P, 1);
+        long long t0 = clock64();
+        if (p.mode < 2)
+          for (int item = pid; item < nitem; item += P) attention(l, item);
+        st[8] += clock64() - t0;
+      }
+      // O
+      wait_count(cnt + l * kPhases + 1, p.HKV, 2);
+      tn = clock64();
+      load_into_xs(p.attn, hhd);
+      st[10] += clock64() - tn;
+      for (int i = 0; i < s[1].stages(); ++i) stage(s[1], i, 0);
+      consumers_sync();
+      for (int r = tid; r < s[1].n; r += kConsumers) {
+        int row = s[1].row0 + r;
+        float y = bf(row_sum(s[1], 0, r)) + __bfloat162float(__ldcg(src + row));
+        p.res[row] = __float2bfloat16(y);
+      }
+      signal(cnt + l * kPhases + 2);
+      // G
+      wait_count(cnt + l * kPhases + 2, P, 3);
+      tn = clock64();
+      norm_into_xs(p.res, nw + p.DIM);
+      st[10] += clock64() - tn;
+      const int up = s[2].n * (p.DIM / kSeg);
+      for (int i = 0; i < s[2].stages(); ++i) {
+        stage(s[2], i, 0);
+        stage(s[3], i, up);
+      }
+      consumers_sync();
+      for (int r = tid; r < s[2].n; r += kConsumers) {
+        float gv = bf(row_sum(s[2], 0, r));
+        float sv = bf(gv / (1.f + __expf(-gv)));
+        p.act[s[2].row0 + r] = __float2bfloat16(sv * bf(row_sum(s[3], up, r)));
+      }
+      signal(cnt + l * kPhases + 3);
+      // D
+      wait_count(cnt + l * kPhases + 3, P, 4);
+      if (l == p.L - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+      tn = clock64();
+      load_into_xs(p.act, p.I);
+      st[10] += clock64() - tn;
+      for (int i = 0; i < s[4].stages(); ++i) stage(s[4], i, 0);
+      consumers_sync();
+      for (int r = tid; r < s[4].n; r += kConsumers) {
+        int row = s[4].row0 + r;
+        float y = bf(row_sum(s[4], 0, r)) + __bfloat162float(__ldcg(p.res + row));
+        p.res[row] = __float2bfloat16(y);
+      }
+      signal(cnt + l * kPhases + 4);
+    }
+    if (pid == 0) {  // the final norm; then every SM is past its last wait: reset the counters
+      wait_count(cnt + (p.L - 1) * kPhases + 4, P, 0);
+      norm_into_xs(p.res, p.fnorm);
+      for (int k = tid; k < p.DIM; k += kConsumers) p.out[k] = __float2bfloat16(xs[k]);
+      for (int k = tid; k < p.L * (kPhases + p.HKV); k += kConsumers) cnt[k] = 0;
+    }
+  }
+};
+
+__global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int pid = blockIdx.x, P = gridDim.x;
+  const int xs_floats = max(max(p.DIM, p.H * p.HD), p.I);
+  Ring ring;
+  ring.n = p.nstages;
+  ring.buf = reinterpret_cast<__nv_bfloat16*>(smem);
+  float* xs = reinterpret_cast<float*>(smem + (size_t)ring.n * kStageBytes);
+  float* parts = xs + xs_floats;
+  float* red = parts + kMaxParts;
+  int* flag = reinterpret_cast<int*>(red + kConsumerWarps + 8);
+  ring.full = reinterpret_cast<uint64_t*>(flag + 2);
+  ring.empty = ring.full + ring.n;
+  if (tid == 0) {
+    for (int i = 0; i < ring.n; ++i) {
+      mbar_init(&ring.full[i], 1);
+      mbar_init(&ring.empty[i], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == kConsumerWarps) {  // the producer: weights only, which no earlier kernel writes
+    if (lane == 0) produce(p, ring, pid, P);
+    return;
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished (x, pos, caches)
+  Consumer c{p, ring, xs, parts, red, flag, tid, warp, lane, pid, P};
+  c.run();
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory a block needs beside its ring of stages.
+int realtime_stack_fixed_smem(int dim, int hhd, int inter) {
+  int xs = dim > hhd ? dim : hhd;
+  xs = xs > inter ? xs : inter;
+  return xs * 4 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + 8;
+}
+
+int realtime_stack_stage_bytes() { return kStageBytes; }
+int realtime_stack_max_parts() { return kMaxParts; }
+int realtime_stack_threads() { return kThreads; }
+
+// a: pointers and int64 strides (see Params, in order; then stats or 0), f: eps and qk_scale, n:
+// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode). Returns a cudaError_t.
+int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
+  Params p;
+  p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
+  p.out = reinterpret_cast<__nv_bfloat16*>(a[1]);
+  p.res = reinterpret_cast<__nv_bfloat16*>(a[2]);
+  p.qkv = reinterpret_cast<__nv_bfloat16*>(a[3]);
+  p.attn = reinterpret_cast<__nv_bfloat16*>(a[4]);
+  p.part = reinterpret_cast<float*>(a[5]);
+  p.ml = reinterpret_cast<float*>(a[6]);
+  p.act = reinterpret_cast<__nv_bfloat16*>(a[7]);
+  p.cnt = reinterpret_cast<int*>(a[8]);
+  p.wqkv = reinterpret_cast<const __nv_bfloat16*>(a[9]);
+  p.wo = reinterpret_cast<const __nv_bfloat16*>(a[10]);
+  p.wgu = reinterpret_cast<const __nv_bfloat16*>(a[11]);
+  p.wd = reinterpret_cast<const __nv_bfloat16*>(a[12]);
+  p.nrm = reinterpret_cast<const __nv_bfloat16*>(a[13]);
+  p.fnorm = reinterpret_cast<const __nv_bfloat16*>(a[14]);
+  p.kc = reinterpret_cast<__nv_bfloat16*>(a[15]);
+  p.vc = reinterpret_cast<__nv_bfloat16*>(a[16]);
+  p.cos = reinterpret_cast<const __nv_bfloat16*>(a[17]);
+  p.sin = reinterpret_cast<const __nv_bfloat16*>(a[18]);
+  p.pos = reinterpret_cast<const int64_t*>(a[19]);
+  p.slots = reinterpret_cast<const int64_t*>(a[20]);
+  p.sk_l = a[21];
+  p.sk_s = a[22];
+  p.sk_h = a[23];
+  p.sk_t = a[24];
+  p.s_tab = a[25];
+  p.eps = f[0];
+  p.qk_scale = f[1];
+  p.L = n[0];
+  p.DIM = n[1];
+  p.H = n[2];
+  p.HKV = n[3];
+  p.HD = n[4];
+  p.I = n[5];
+  p.TMAX = n[6];
+  p.NS = n[7];
+  p.nstages = n[8];
+  p.stats = reinterpret_cast<long long*>(a[26]);
+  p.mode = n[9];
+  static int smem_set = -1;  // the attribute is set once per size (not on every launch)
+  cudaError_t e;
+  if (smem != smem_set) {
+    e = cudaFuncSetAttribute(stack_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    smem_set = smem;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, stack_kernel, p);
+  return (int)e;
+}
+
+// How many blocks of the kernel fit on one SM with this shared memory (0: none).
+int realtime_stack_blocks_per_sm(int smem) {
+  int nb = 0;
+  if (cudaFuncSetAttribute(stack_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return -1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, stack_kernel, kThreads, smem) != cudaSuccess) return -1;
+  return nb;
+}
+
+const char* realtime_stack_error_string(int e) { return cudaGetErrorString(static_cast<cudaError_t>(e)); }
+
+}  // extern "C"

@@ -1,0 +1,213 @@
+"""The decode stack as CUDA C++ (kernels/csrc/decode_stack.cu): one row, bf16, weights streamed.
+
+Same step and arguments as ``decode_stack.decode_stack`` (Triton) for one row: x [1, DIM] ->
+the final-norm output, the step's K/V written into the caches. The CUDA kernel keeps a ring of
+16 KB shared-memory stages per SM that a producer warp fills with bulk copies of the SM's
+weight rows, layer after layer, independent of the activations; the consumer warps wait on
+per-(layer, phase) counters instead of grid barriers. See the .cu file's header.
+
+The kernel is built with nvcc on first use (a few seconds) into a cache folder
+(``$REALTIME_CACHE`` or ``~/.cache/realtime``) keyed by the source's hash and the GPU's
+architecture, and called through ctypes on torch's current stream (CUDA graphs capture it).
+It needs an sm_90 GPU (Hopper: bulk copies, mbarriers with transaction counts, PDL) and nvcc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ._triton import check
+
+__all__ = ["available", "takes", "decode_stack_cuda", "errors", "default_splits", "build", "STATS", "STAT_NAMES"]
+
+_SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
+_PHASES = 5
+_KEYS = 32  # keys an attention block (kKeys)
+_SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, dividing a stage
+STATS = 16  # kStats: per-SM cycle counts a probe can ask for
+STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
+              "wait before q|k|v (previous down)", "wait before the attention (q|k|v)", "wait before o (the heads)",
+              "wait before gate|up (o)", "wait before down (gate|up)", "attention", "consumers total",
+              "row loads and norms", "stages")
+
+
+def _nvcc() -> str | None:
+    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).is_file():
+            return cand
+    return None
+
+
+def available(device: torch.device | None = None) -> bool:
+    """CUDA, an sm_90 (Hopper) GPU and nvcc to build the kernel."""
+    if not torch.cuda.is_available() or _nvcc() is None:
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major == 9
+
+
+def takes(dim: int, inter: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes these widths: every GEMV's K one of 1024, 2048, 4096, 8192 (a 16 KB
+    stage holds whole rows, each warp a 1024-wide piece of one), head dim a multiple of 16 up to
+    128, at most 8 query heads a kv head and at most 1024 (head, dim) pairs a kv head."""
+    ks = {dim, n_heads * head_dim, inter}
+    g = n_heads // max(1, n_kv_heads)
+    return (all(k in (1024, 2048, 4096, 8192) for k in ks) and n_heads % n_kv_heads == 0 and head_dim % 16 == 0
+            and head_dim <= 128 and g <= 8 and g * head_dim <= 1024)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("REALTIME_CACHE") or str(Path.home() / ".cache" / "realtime")
+    return Path(root) / "cuda"
+
+
+@functools.cache
+def build(arch: str = "90") -> ctypes.CDLL:
+    """Compile (once per source and architecture) and load the kernel's library."""
+    nvcc = _nvcc()
+    check(nvcc is not None, "decode_stack_cuda needs nvcc (the CUDA toolkit) to build its kernel")
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"decode_stack_{key}_sm{arch}.so"
+    if not lib.is_file():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        print(f"realtime: building {_SRC.name} for sm_{arch} with nvcc (once, a few seconds)", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            out = Path(tmp) / lib.name
+            cmd = [nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
+                   "-Xcompiler", "-fPIC", "-o", str(out), str(_SRC)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode:
+                raise RuntimeError(f"nvcc failed to build {_SRC.name}:\n{res.stderr[-4000:]}")
+            os.replace(out, lib)  # atomic: a concurrent build of the same key lands one file
+    dll = ctypes.CDLL(str(lib))
+    dll.realtime_stack_launch.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float),
+                                          ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                          ctypes.c_int]
+    dll.realtime_stack_launch.restype = ctypes.c_int
+    dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 3
+    dll.realtime_stack_blocks_per_sm.argtypes = [ctypes.c_int]
+    dll.realtime_stack_error_string.restype = ctypes.c_char_p
+    return dll
+
+
+def default_splits(n_kv_heads: int, tmax: int, programs: int) -> int:
+    """Key splits an attention (kv head): ~32 keys a split at the longest cache, each split its own
+    SM, at most 16 (each split's partial is merged by the last one to finish)."""
+    return max(1, min(16, programs // n_kv_heads, math.ceil(tmax / _KEYS)))
+
+
+class _Scratch:
+    def __init__(self, w, ns: int, dev: torch.device) -> None:  # noqa: ANN001
+        nl, nqkv, dim = w.qkv.shape
+        h, hkv = w.n_heads, w.n_kv_heads
+        hd = nqkv // (h + 2 * hkv)
+        inter = w.down.shape[2]
+        dt = w.qkv.dtype
+        self.res = torch.empty(dim, device=dev, dtype=dt)
+        self.qkv = torch.empty(nqkv, device=dev, dtype=dt)
+        self.attn = torch.empty(h * hd, device=dev, dtype=dt)
+        self.part = torch.empty(h * ns * hd, device=dev, dtype=torch.float32)
+        self.ml = torch.empty(h * ns * 2, device=dev, dtype=torch.float32)
+        self.act = torch.empty(inter, device=dev, dtype=dt)
+        # counters (reset by the kernel at the end of each step) and, last, the sticky error flag
+        self.cnt = torch.zeros(nl * (_PHASES + hkv) + 1, device=dev, dtype=torch.int32)
+
+
+def _smem_plan(dll, dim: int, hhd: int, inter: int, stages: int | None) -> tuple[int, int]:  # noqa: ANN001
+    """(stages, dynamic shared memory bytes): as many 16 KB stages as fit beside the fixed part."""
+    fixed = dll.realtime_stack_fixed_smem(dim, hhd, inter)
+    stage = dll.realtime_stack_stage_bytes()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    limit = getattr(props, "shared_memory_per_block_optin", 232448)  # (227 KB: sm_90's opt-in maximum)
+    most = (limit - fixed - 16 * 64) // (stage + 16)  # (+ two mbarriers a stage, alignment slack)
+    n = most if stages is None else stages
+    check(2 <= n <= most, f"stages must be in [2, {most}] on this GPU, got {n}")
+    return n, n * stage + fixed + 16 * n + 64
+
+
+@functools.cache
+def _fits(smem: int) -> bool:
+    return build().realtime_stack_blocks_per_sm(smem) >= 1
+
+
+def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,  # noqa: ANN001
+                      cos: Tensor, sin: Tensor, programs: int | None = None, splits: int | None = None,
+                      stages: int | None = None, pdl: bool = True, stats: Tensor | None = None,
+                      mode: int = 0) -> Tensor:
+    """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
+    ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
+    ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
+
+    For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
+    ``STAT_NAMES``); ``mode`` 1 skips the counter waits and 2 also the arithmetic (the weights
+    still stream): the step's results are then wrong, and the caches must be restored."""
+    m, dim = x.shape
+    nl, nqkv, wdim = w.qkv.shape
+    h, hkv = w.n_heads, w.n_kv_heads
+    hd = nqkv // (h + 2 * hkv)
+    inter = w.down.shape[2]
+    check(x.is_cuda and m == 1 and wdim == dim and x.is_contiguous() and x.dtype == torch.bfloat16,
+          f"decode_stack_cuda takes one contiguous bf16 CUDA row [1, {wdim}], got {tuple(x.shape)} {x.dtype}")
+    check(all(t.dtype == torch.bfloat16 and t.is_cuda for t in (w.qkv, w.o, w.gate_up, w.down, w.norms, w.final,
+                                                                 k_cache, v_cache, cos, sin)),
+          "decode_stack_cuda: weights, caches and angle tables must be bf16 on the GPU")
+    check(takes(dim, inter, h, hkv, hd), "decode_stack_cuda does not take these widths (see takes())")
+    check(k_cache.shape[0] == nl and k_cache.shape[2] == hkv and k_cache.shape[4] == hd and k_cache.stride() == v_cache.stride()
+          and k_cache.shape == v_cache.shape and k_cache.stride(4) == 1 and k_cache.stride(3) % 8 == 0
+          and k_cache.storage_offset() % 8 == 0 and v_cache.storage_offset() % 8 == 0,
+          "caches must be [L, S, HKV, TMAX, HD], one layout, rows 16-byte aligned")
+    check(pos.shape == (1,) and slots.shape == (1,) and pos.dtype == slots.dtype == torch.long and pos.is_cuda,
+          "pos, slots: int64 [1] on the GPU")
+    check(cos.stride(1) == 1 and sin.stride() == cos.stride(), "cos/sin: [positions, HD] rows, one layout")
+    for t in (w.qkv, w.o, w.gate_up, w.down):
+        check(t.is_contiguous() and t.data_ptr() % 16 == 0, "stacked weights must be contiguous and 16-byte aligned")
+    dll = build()
+    p = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    ns = splits or default_splits(hkv, k_cache.shape[3], p)
+    check(1 <= ns <= 64, f"splits must be in [1, 64], got {ns}")
+    n_stages, smem = _smem_plan(dll, dim, h * hd, inter, stages)
+    parts = max(2 * math.ceil(inter / p) * (dim // _SEG), math.ceil(nqkv / p) * (dim // _SEG),
+                math.ceil(dim / p) * (inter // _SEG), math.ceil(dim / p) * (h * hd // _SEG))
+    check(parts <= dll.realtime_stack_max_parts(), f"{p} programs leave too many rows an SM ({parts} partial sums)")
+    check(_fits(smem), "the kernel's shared memory does not fit an SM")
+    check(p <= torch.cuda.get_device_properties(x.device).multi_processor_count,
+          "at most one program an SM (every program must be resident)")
+    key = ("cuda", p, ns, str(x.device))
+    sc = w.scratch.get(key)
+    if sc is None:  # allocated once, before any CUDA-graph capture (the capture warm-up runs the step)
+        sc = w.scratch[key] = _Scratch(w, ns, x.device)
+    out = torch.empty_like(x)
+    ptrs = [x, out, sc.res, sc.qkv, sc.attn, sc.part, sc.ml, sc.act, sc.cnt, w.qkv, w.o, w.gate_up, w.down, w.norms,
+            w.final, k_cache, v_cache, cos, sin, pos, slots]
+    if stats is not None:
+        check(stats.is_cuda and stats.dtype == torch.int64 and stats.shape == (p, STATS) and stats.is_contiguous(),
+              f"stats: int64 [{p}, {STATS}] on the GPU")
+    check(mode in (0, 1, 2), f"mode is 0, 1 or 2, got {mode}")
+    a = (ctypes.c_int64 * 27)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                              k_cache.stride(3), cos.stride(0), 0 if stats is None else stats.data_ptr())
+    f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
+    n = (ctypes.c_int * 10)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
+    check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")
+    if mode:  # the probe modes leave the counters wherever the racing SMs left them
+        sc.cnt[:-1].zero_()
+    return out
+
+
+def errors(w) -> int:  # noqa: ANN001
+    """How many of this stack's CUDA launches hit a counter's poll limit (a bug); a device sync."""
+    return sum(int(sc.cnt[-1]) for k, sc in w.scratch.items() if isinstance(k, tuple) and k and k[0] == "cuda")

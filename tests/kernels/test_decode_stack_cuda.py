@@ -1,0 +1,212 @@
+"""The CUDA C++ decode stack (kernels/csrc/decode_stack.cu) computes the layer-by-layer step."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from realtime.engines.transformer import KVCache, Transformer, TransformerConfig
+from realtime.kernels import decode_stack_cuda as dsc
+
+# widths the kernel takes (every K one of 1024..8192); 2 layers, 4 query heads a kv head
+CFG = TransformerConfig(dim=1024, n_layers=2, n_heads=16, n_kv_heads=4, head_dim=64, intermediate_size=2048,
+                        max_seq_len=200, rope_theta=500000.0)
+SRC = Path(dsc.__file__).parent / "csrc" / "decode_stack.cu"
+
+
+def test_takes_names_the_widths_it_handles() -> None:
+    assert dsc.takes(2048, 8192, 32, 8, 64)  # Llama-3.2-1B, the CSM backbone
+    assert dsc.takes(1024, 8192, 8, 2, 128)  # the CSM depth decoder
+    assert not dsc.takes(576, 1536, 9, 3, 64)  # SmolLM2-135M: K not a multiple of 1024
+    assert not dsc.takes(2048, 8192, 32, 8, 256)  # head dim over 128
+    assert not dsc.takes(2048, 8192, 32, 2, 64)  # 16 query heads a kv head
+    assert dsc.default_splits(8, 2048, 132) == 16 and dsc.default_splits(8, 40, 132) == 2
+    assert dsc.default_splits(8, 2048, 40) == 5
+
+
+def test_kernel_builds_for_sm90_without_spills(tmp_path) -> None:
+    """nvcc builds the .cu for sm_90 (no GPU needed): no registers spilled, no local stack."""
+    nvcc = dsc._nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here (the device test builds it)")
+    res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-shared", "-Xcompiler",
+                          "-fPIC", "-Xptxas", "-v", "-o", str(tmp_path / "k.so"), str(SRC)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = res.stderr
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", info), info
+    assert re.search(r"0 bytes stack frame", info), info
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert regs <= 224, f"{regs} registers a thread: 288 threads must fit one SM's 64K"
+
+
+def test_refuses_what_it_does_not_take() -> None:
+    """Clear errors, before any GPU work, for rows, dtypes and widths the kernel does not take."""
+    from realtime.kernels.decode_stack import StackWeights
+
+    cfg = TransformerConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, intermediate_size=512)
+    nq = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    w = StackWeights(torch.zeros(1, nq, 256), torch.zeros(1, 256, 256), torch.zeros(1, 1024, 256),
+                     torch.zeros(1, 256, 512), torch.zeros(1, 2, 256), torch.zeros(256), 4, 2, 1e-5)
+    x = torch.zeros(2, 256)
+    z = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="one contiguous bf16 CUDA row"):
+        dsc.decode_stack_cuda(w, x, z, z, z, z, z, z)
+
+
+def _model(seed: int = 0, with_f32: bool = False):  # noqa: ANN202
+    """The bf16 CFG model on CUDA with its stack on (and, with_f32, the same weights in float32)."""
+    torch.manual_seed(seed)
+    model = Transformer(CFG).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+        for layer in model.layers:  # norms away from 1, so a missed norm weight shows
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+        model.norm.weight.uniform_(0.5, 1.5)
+    m32 = copy.deepcopy(model).to("cuda") if with_f32 else None
+    model = model.to("cuda", torch.bfloat16)
+    model.fuse_projections()
+    assert model.enable_decode_stack()
+    if m32 is not None:
+        m32.fuse_projections()
+        return model, m32
+    return model
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _prefilled(model: Transformer, prompt: int, slot: int, x: torch.Tensor | None = None):  # noqa: ANN202
+    dt = model.layers[0].mlp.down_proj.weight.dtype
+    cache = KVCache(CFG, n_slots=3, max_seq_len=CFG.max_seq_len, device="cuda", dtype=dt)
+    slots = torch.tensor([slot], device="cuda")
+    if x is None:
+        x = torch.randn(1, prompt, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    if prompt:
+        with torch.no_grad():
+            model(x.to(dt), torch.arange(prompt, device="cuda")[None], cache, slots)
+    return cache, slots
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt", [0, 1, 31, 32, 70, 190])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_cuda_stack_step_equals_the_layer_path(prompt: int, splits: int | None) -> None:
+    """One step at several cache lengths (empty, one key, a 32-key block's edge, several blocks,
+    near the end) and split counts, against the same step in float32: the output and the step's
+    K/V rows are as close to it as the bf16 layer-by-layer kernels' are (other summation orders,
+    same roundings), the other cache rows are untouched, and no counter timed out."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model, m32 = _model(with_f32=True)
+    w = model.stack
+    xp = torch.randn(1, prompt, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    cache, slots = _prefilled(model, prompt, slot=1, x=xp)
+    c32, _ = _prefilled(m32, prompt, slot=1, x=xp)
+    x = torch.randn(1, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([prompt], device="cuda")
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    saved = model.stack
+    model.stack = None
+    with torch.no_grad():
+        ref = model._decode(x[:, None], pos, cache, slots)[:, 0]
+        ref32 = m32._decode(x.float()[:, None], pos, c32, slots)[:, 0]
+    model.stack = saved
+    rk, rv = cache.k[:, 1, :, prompt].clone(), cache.v[:, 1, :, prompt].clone()
+    k32, v32 = c32.k[:, 1, :, prompt], c32.v[:, 1, :, prompt]
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    out = dsc.decode_stack_cuda(w, x, pos, cache.k, cache.v, slots, cos, sin, splits=splits)
+    torch.cuda.synchronize()
+    assert dsc.errors(w) == 0
+    for got, layer, exact in ((out, ref, ref32), (cache.k[:, 1, :, prompt], rk, k32), (cache.v[:, 1, :, prompt], rv, v32)):
+        assert _rel(got, exact) <= 1.25 * _rel(layer, exact) + 2e-3, (_rel(got, exact), _rel(layer, exact))
+        assert _rel(got, layer) < 3e-2
+    mask = torch.ones_like(cache.k, dtype=torch.bool)
+    mask[:, 1, :, prompt] = False
+    assert torch.equal(cache.k[mask], k0[mask]) and torch.equal(cache.v[mask], v0[mask])
+
+
+@pytest.mark.gpu
+def test_cuda_stack_decodes_like_the_layer_path_over_steps_and_in_a_graph() -> None:
+    """Twenty steps through the engine with the CUDA stack (REALTIME_STACK_KERNEL=cuda's path),
+    replayed from a CUDA graph, against the layer path's steps: each step's output within bf16
+    rounding, the stage ring at its smallest (2 stages: the producer waits on every stage) gives
+    the same step as the default ring, bit for bit."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model = _model(1)
+    w = model.stack
+    n = 20
+    xs = torch.randn(n, 1, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    cos, sin = model.rope_table(CFG.max_seq_len, torch.bfloat16)
+    cache_ref, slots = _prefilled(model, 40, slot=2)
+    cache = KVCache(CFG, n_slots=3, max_seq_len=CFG.max_seq_len, device="cuda", dtype=torch.bfloat16)
+    cache.k.copy_(cache_ref.k)
+    cache.v.copy_(cache_ref.v)
+    saved = model.stack
+    model.stack = None
+    refs = []
+    with torch.no_grad():
+        for i in range(n):
+            refs.append(model._decode(xs[i][:, None], torch.tensor([40 + i], device="cuda"), cache_ref, slots)[:, 0])
+    model.stack = saved
+    x_in = torch.empty(1, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    x_in.copy_(xs[0])
+    pos.fill_(40)
+    first = dsc.decode_stack_cuda(w, x_in, pos, cache.k, cache.v, slots, cos, sin)  # warm-up: builds, allocates
+    two = dsc.decode_stack_cuda(w, x_in, pos, cache.k.clone(), cache.v.clone(), slots, cos, sin, stages=2)
+    torch.cuda.synchronize()
+    assert torch.equal(first, two)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = dsc.decode_stack_cuda(w, x_in, pos, cache.k, cache.v, slots, cos, sin)
+    for i in range(n):
+        x_in.copy_(xs[i])
+        pos.fill_(40 + i)
+        g.replay()
+        assert _rel(out, refs[i]) < 2e-2, (i, _rel(out, refs[i]))
+    torch.cuda.synchronize()
+    assert dsc.errors(w) == 0
+    assert _rel(cache.k[:, 2, :, 40:40 + n], cache_ref.k[:, 2, :, 40:40 + n]) < 2e-2
+
+
+@pytest.mark.gpu
+def test_engine_takes_the_cuda_stack_when_asked(monkeypatch) -> None:
+    """REALTIME_STACK_KERNEL=cuda: ``enable_decode_stack`` turns the CUDA stack on for a bf16 model
+    of widths it takes, and the engine's one-row step is then the CUDA kernel's (bit for bit);
+    rows beyond one keep the Triton stack."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    import realtime.engines.transformer as tr
+
+    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
+    model = _model(2)
+    assert model.stack_cuda
+    cache, slots = _prefilled(model, 50, slot=0)
+    x = torch.randn(1, 1, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([50], device="cuda")
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    calls: list = []
+    monkeypatch.setattr(dsc, "decode_stack_cuda", lambda *a, f=dsc.decode_stack_cuda, **kw: calls.append(1) or f(*a, **kw))
+    with torch.no_grad():
+        got = model._decode(x, pos, cache, slots)[:, 0]
+    assert calls == [1]
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    want = dsc.decode_stack_cuda(model.stack, x[:, 0].contiguous(), pos, cache.k, cache.v, slots, cos, sin)
+    assert torch.equal(got, want)
+    m32 = Transformer(CFG).eval().to("cuda")
+    m32.fuse_projections()
+    assert m32.enable_decode_stack() and not m32.stack_cuda  # float32: Triton's stack
