@@ -253,7 +253,7 @@ def test_gemv_checks_and_choice(cpu_kernels):
 ATT_CASES = [  # B, H, Hkv, S, Tmax, D, lengths, num_splits
     (3, 6, 2, 4, 150, 40, [1, 150, 77], None),
     (3, 6, 2, 4, 150, 40, [1, 150, 77], 1),
-    (2, 4, 4, 2, 64, 64, [64, 33], 3),
+    (2, 4, 4, 2, 64, 64, [64, 33], 1),  # Tmax of one block: one split at most
     (1, 8, 1, 3, 200, 16, [130], None),
 ]
 
@@ -676,16 +676,19 @@ for dt in ("bf16", "fp32"):
     comp(dot, dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr="*fp32"),
          dict(HAS_BIAS=False, SWIGLU=False, GELU=0, BLOCK_N=16, BLOCK_K=128, K_STEPS=8, DOT_F32=dt == "fp32"), 4)
     split, merge = decode_attention._kernels()
-    comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
-         acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
-         dict(H=32, G=4, D=64, CHUNK=128, NUM_SPLITS=16, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
-              DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
-              DIRECT=False), 4)
+    for early in (False, True):
+        built = comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
+             acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32"),
+             dict(H=32, G=4, D=64, CHUNK=128, NUM_SPLITS=16, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
+                  DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
+                  DIRECT=False, EARLY=early), 4)
+        ptx = built.asm["ptx"]  # EARLY: the slot, length and first key block are read before the PDL wait
+        assert ("ld.global" in ptx[:ptx.index("griddepcontrol.wait")]) == early, early
     comp(split, dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", slots_ptr="*i64", len_ptr="*i64",
          acc_ptr=f"*{dt}", ml_ptr=f"*{dt}", qk_scale="fp32"),
          dict(H=8, G=4, D=64, CHUNK=64, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=64, BLOCK_N=64,
               DOT_DTYPE=tl.bfloat16 if dt == "bf16" else tl.float32, PRECISION="tf32" if dt == "bf16" else "ieee",
-              DIRECT=True), 4)
+              DIRECT=True, EARLY=True), 4)
     comp(layernorm._kernel(), dict(x_ptr=f"*{dt}", h_ptr=f"*{dt}", g_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}",
          y_ptr=f"*{dt}", s_ptr=f"*{dt}", eps="fp32"), dict(HAS_BIAS=True, BLOCK_D=512), 4)
     wa, ring_pos = window_attention._kernel()
