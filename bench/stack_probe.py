@@ -240,6 +240,8 @@ def main() -> int:
                          "FMA / ATT_PREFETCH / ATT_EARLY / ATT_REGS variants (each checked against the served step), "
                          "and traces")
     ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
+    ap.add_argument("--cuda-only", action="store_true",
+                    help="only the layer path, the Triton stack as served and the CUDA C++ stack's rows")
     ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--ncu", action="store_true",
@@ -327,6 +329,8 @@ def main() -> int:
     model.stack = saved
     row("stack, as served", stack(), weight_bytes)
     cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes, row, sms, rows)
+    if args.cuda_only:
+        return finish(args, ds, w, cfg, bw, weight_bytes, sms, rows, stack, ())
     # The served switches at one row are FMA=15, ATT_PREFETCH=4, ATT_REGS (launch_meta). The variants
     # built on ``plain`` (none of them: the served form before) name every switch they turn on; the
     # "served" ones change only what they name.

@@ -260,22 +260,46 @@ struct Consumer {
     consumers_sync();
   }
 
-  __device__ void load_into_xs(const __nv_bfloat16* src, int n) {
-    for (int k = tid * 8; k < n; k += kConsumers * 8) {
-      uint4 u = __ldcg(reinterpret_cast<const uint4*>(src + k));
+  // The warp's piece of a GEMV's input row, in registers for the whole phase: every stage puts
+  // the same 1024 columns (from (warp * kSeg) % K) in front of a warp. Lane holds the columns
+  // col0 + j * 256 + lane * 8 + t as xr[j * 8 + t] (j < 4, t < 8), as stage() reads the weights.
+  __device__ void load_x(const __nv_bfloat16* src, int K, float (&xr)[32]) const {
+    const int col0 = (warp * kSeg) % K;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint4 u = __ldcg(reinterpret_cast<const uint4*>(src + col0 + j * 256 + lane * 8));
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float2 f = __bfloat1622float2(h[j]);
-        xs[k + 2 * j] = f.x;
-        xs[k + 2 * j + 1] = f.y;
+      for (int t = 0; t < 4; ++t) {
+        float2 f = __bfloat1622float2(h[t]);
+        xr[j * 8 + 2 * t] = f.x;
+        xr[j * 8 + 2 * t + 1] = f.y;
       }
     }
-    consumers_sync();
   }
 
-  // Multiply stage i of slice s by xs; each warp's partial goes to parts[base + row * segs + seg].
-  __device__ void stage(const Slice& s, int i, int base) {
+  // xr = RMSNorm(src) * w on the warp's piece (rmsnorm's roundings); the row's sum of squares from
+  // the warps whose pieces tile it (warps 0 .. K / kSeg - 1)
+  __device__ void norm_x(const __nv_bfloat16* src, const __nv_bfloat16* w, int K, float (&xr)[32]) {
+    load_x(src, K, xr);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) ss = fmaf(xr[i], xr[i], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    consumers_sync();
+    float tot = 0.f;
+    for (int i = 0; i < K / kSeg; ++i) tot += red[i];
+    const float rstd = rsqrtf(tot / K + p.eps);
+    float wr[32];
+    load_x(w, K, wr);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) xr[i] = bf(bf(xr[i] * rstd) * wr[i]);
+  }
+
+  // Multiply stage i of slice s by the warp's x piece; each warp's partial goes to
+  // parts[base + row * segs + seg].
+  __device__ void stage(const Slice& s, int i, int base, const float (&xr)[32]) {
     int slot = g % ring.n;
     uint32_t use = g / ring.n;
     ++g;
@@ -287,26 +311,22 @@ struct Consumer {
     int nr = s.rows(i);
     if (e0 < nr * s.K && p.mode < 2) {
       const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + e0;
-      int col0 = e0 % s.K;
-      float acc = 0.f;
+      const int col0 = e0 % s.K;
+      uint4 u[4];
 #pragma unroll
-      for (int j = 0; j < kSeg / 256; ++j) {
-        int off = lane * 8 + j * 256;
-        uint4 u = *reinterpret_cast<const uint4*>(wst + off);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-        const float4 xa = *reinterpret_cast<const float4*>(xs + col0 + off);
-        const float4 xb = *reinterpret_cast<const float4*>(xs + col0 + off + 4);
-        float2 w0 = __bfloat1622float2(h[0]), w1 = __bfloat1622float2(h[1]);
-        float2 w2 = __bfloat1622float2(h[2]), w3 = __bfloat1622float2(h[3]);
-        acc = fmaf(w0.x, xa.x, acc);
-        acc = fmaf(w0.y, xa.y, acc);
-        acc = fmaf(w1.x, xa.z, acc);
-        acc = fmaf(w1.y, xa.w, acc);
-        acc = fmaf(w2.x, xb.x, acc);
-        acc = fmaf(w2.y, xb.y, acc);
-        acc = fmaf(w3.x, xb.z, acc);
-        acc = fmaf(w3.y, xb.w, acc);
+      for (int j = 0; j < 4; ++j) u[j] = *reinterpret_cast<const uint4*>(wst + j * 256 + lane * 8);
+      float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[j]);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          float2 f = __bfloat1622float2(h[t]);
+          acc0 = fmaf(f.x, xr[j * 8 + 2 * t], acc0);
+          acc1 = fmaf(f.y, xr[j * 8 + 2 * t + 1], acc1);
+        }
       }
+      float acc = acc0 + acc1;
       acc = warp_sum(acc);
       int segs = s.K / kSeg;
       if (lane == 0) parts[base + (i * s.rps + e0 / s.K) * segs + col0 / kSeg] = acc;
@@ -503,10 +523,11 @@ struct Consumer {
       const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
       // Q
       if (l > 0) wait_count(cnt + (l - 1) * kPhases + 4, P, 0);
+      float xr[32];
       long long tn = clock64();
-      norm_into_xs(src, nw);
+      norm_x(src, nw, p.DIM, xr);
       st[10] += clock64() - tn;
-      for (int i = 0; i < s[0].stages(); ++i) stage(s[0], i, 0);
+      for (int i = 0; i < s[0].stages(); ++i) stage(s[0], i, 0, xr);
       consumers_sync();
       for (int r = tid; r < s[0].n; r += kConsumers) p.qkv[s[0].row0 + r] = __float2bfloat16(row_sum(s[0], 0, r));
       signal(cnt + l * kPhases + 0);
@@ -521,9 +542,9 @@ struct Consumer {
       // O
       wait_count(cnt + l * kPhases + 1, p.HKV, 2);
       tn = clock64();
-      load_into_xs(p.attn, hhd);
+      load_x(p.attn, hhd, xr);
       st[10] += clock64() - tn;
-      for (int i = 0; i < s[1].stages(); ++i) stage(s[1], i, 0);
+      for (int i = 0; i < s[1].stages(); ++i) stage(s[1], i, 0, xr);
       consumers_sync();
       for (int r = tid; r < s[1].n; r += kConsumers) {
         int row = s[1].row0 + r;
@@ -534,12 +555,12 @@ struct Consumer {
       // G
       wait_count(cnt + l * kPhases + 2, P, 3);
       tn = clock64();
-      norm_into_xs(p.res, nw + p.DIM);
+      norm_x(p.res, nw + p.DIM, p.DIM, xr);
       st[10] += clock64() - tn;
       const int up = s[2].n * (p.DIM / kSeg);
       for (int i = 0; i < s[2].stages(); ++i) {
-        stage(s[2], i, 0);
-        stage(s[3], i, up);
+        stage(s[2], i, 0, xr);
+        stage(s[3], i, up, xr);
       }
       consumers_sync();
       for (int r = tid; r < s[2].n; r += kConsumers) {
@@ -552,9 +573,9 @@ struct Consumer {
       wait_count(cnt + l * kPhases + 3, P, 4);
       if (l == p.L - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       tn = clock64();
-      load_into_xs(p.act, p.I);
+      load_x(p.act, p.I, xr);
       st[10] += clock64() - tn;
-      for (int i = 0; i < s[4].stages(); ++i) stage(s[4], i, 0);
+      for (int i = 0; i < s[4].stages(); ++i) stage(s[4], i, 0, xr);
       consumers_sync();
       for (int r = tid; r < s[4].n; r += kConsumers) {
         int row = s[4].row0 + r;
