@@ -97,7 +97,7 @@ def build(arch: str = "90") -> ctypes.CDLL:
                                           ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                           ctypes.c_int]
     dll.realtime_stack_launch.restype = ctypes.c_int
-    dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 3
+    dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 5
     dll.realtime_stack_blocks_per_sm.argtypes = [ctypes.c_int]
     dll.realtime_stack_error_string.restype = ctypes.c_char_p
     return dll
@@ -126,9 +126,9 @@ class _Scratch:
         self.cnt = torch.zeros(nl * (_PHASES + hkv) + 1, device=dev, dtype=torch.int32)
 
 
-def _smem_plan(dll, dim: int, hhd: int, inter: int, stages: int | None) -> tuple[int, int]:  # noqa: ANN001
+def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int | None) -> tuple[int, int]:  # noqa: ANN001
     """(stages, dynamic shared memory bytes): as many 16 KB stages as fit beside the fixed part."""
-    fixed = dll.realtime_stack_fixed_smem(dim, hhd, inter)
+    fixed = dll.realtime_stack_fixed_smem(dim, hhd, inter, g, hd)
     stage = dll.realtime_stack_stage_bytes()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     limit = getattr(props, "shared_memory_per_block_optin", 232448)  # (227 KB: sm_90's opt-in maximum)
@@ -178,7 +178,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     p = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     ns = splits or default_splits(hkv, k_cache.shape[3], p)
     check(1 <= ns <= 64, f"splits must be in [1, 64], got {ns}")
-    n_stages, smem = _smem_plan(dll, dim, h * hd, inter, stages)
+    n_stages, smem = _smem_plan(dll, dim, h * hd, inter, h // hkv, hd, stages)
     parts = max(2 * math.ceil(inter / p) * (dim // _SEG), math.ceil(nqkv / p) * (dim // _SEG),
                 math.ceil(dim / p) * (inter // _SEG), math.ceil(dim / p) * (h * hd // _SEG))
     check(parts <= dll.realtime_stack_max_parts(), f"{p} programs leave too many rows an SM ({parts} partial sums)")

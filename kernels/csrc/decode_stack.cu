@@ -116,6 +116,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -138,6 +146,14 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// Floats of the xs region: the final norm's row, and the attention's scratch (see Att)
+__host__ __device__ inline int xs_floats(int dim, int hhd, int inter, int g, int hd) {
+  int att = g * hd + 4 * hd + g * kKeys + 8 * ((g + 7) / 8) * 4 + (kKeys * (hd + 8) + kKeys * hd + 2 * hd) / 2;
+  int n = dim > hhd ? dim : hhd;
+  n = n > inter ? n : inter;
+  return n > att ? n : att;
 }
 
 // ---- the weight schedule, walked identically by the producer and the consumers
@@ -343,33 +359,83 @@ struct Consumer {
     return a;
   }
 
-  __device__ void attention(int l, int item) {
+  // An attention item (kv head, split) and its scratch in xs: q [G, HD], cos/sin rows [2 HD], own
+  // k and v [2 HD], p [G, kKeys], alpha [G], keys [kKeys, HD + 8] and values [kKeys, HD] (bf16),
+  // the cos/sin rows as bf16 [2 HD] (copied ahead)
+  struct Att {
+    int kvh, sp, length, chunk, lo, hi;
+    int64_t pos, slot, cbase;
+    float *qs, *cs, *sn, *kn, *vn, *pb, *al;
+    __nv_bfloat16 *kb, *vb, *csb;
+  };
+
+  __device__ Att att_setup(int l, int item) const {
+    Att a;
+    const int HD = p.HD, G = p.H / p.HKV, NS = p.NS;
+    a.kvh = item / NS;
+    a.sp = item % NS;
+    a.pos = p.pos[0];
+    a.slot = p.slots[0];
+    a.length = (int)(a.pos + 1 < p.TMAX ? a.pos + 1 : p.TMAX);
+    a.chunk = (a.length + NS - 1) / NS;
+    a.lo = a.sp * a.chunk;
+    a.hi = min(a.lo + a.chunk, a.length);
+    a.cbase = l * p.sk_l + a.slot * p.sk_s + a.kvh * p.sk_h;
+    a.qs = xs;
+    a.cs = a.qs + G * HD;
+    a.sn = a.cs + HD;
+    a.kn = a.sn + HD;
+    a.vn = a.kn + HD;
+    a.pb = a.vn + HD;
+    a.al = a.pb + G * kKeys;
+    a.kb = reinterpret_cast<__nv_bfloat16*>(a.al + 8 * ((G + 7) / 8) * 4);  // 16-byte aligned
+    a.vb = a.kb + kKeys * (HD + 8);
+    a.csb = a.vb + kKeys * HD;
+    return a;
+  }
+
+  // The item's first block of keys and values that earlier steps wrote (positions < pos) and its
+  // angle rows, copied into shared memory asynchronously at the layer's start: under the weight
+  // stream an HBM read waits microseconds, and none of these depends on this layer's q|k|v.
+  // Rows from pos on are zeroed (the own row is put in after q|k|v).
+  __device__ void att_prefetch(const Att& a) {
+    if (a.lo >= a.hi) return;
+    const int HD = p.HD, kstride = HD + 8, cpr = HD / 8;
+    for (int e = tid; e < kKeys * cpr; e += kConsumers) {
+      int j = e / cpr, c = (e % cpr) * 8;
+      int64_t n = a.lo + j;
+      if (n < a.hi && n < a.pos) {
+        cp_async16(a.kb + j * kstride + c, p.kc + a.cbase + n * p.sk_t + c);
+        cp_async16(a.vb + j * HD + c, p.vc + a.cbase + n * p.sk_t + c);
+      } else {
+        *reinterpret_cast<uint4*>(a.kb + j * kstride + c) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(a.vb + j * HD + c) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    for (int e = tid; e < 2 * cpr; e += kConsumers) {
+      const __nv_bfloat16* src = (e < cpr ? p.cos : p.sin) + a.pos * p.s_tab + (e % cpr) * 8;
+      cp_async16(a.csb + e * 8, src);
+    }
+    cp_async_commit();
+  }
+
+  __device__ void attention(int l, int item, bool pre) {
+    const Att a = att_setup(l, item);
+    if (pre) cp_async_wait_all();  // (made visible to the other threads by the next block barrier)
     const int HD = p.HD, HALF = HD / 2, G = p.H / p.HKV, NS = p.NS;
-    const int kvh = item / NS, sp = item % NS;
-    const int64_t pos = p.pos[0];
-    const int64_t slot = p.slots[0];
-    const int length = (int)(pos + 1 < p.TMAX ? pos + 1 : p.TMAX);
-    const int chunk = (length + NS - 1) / NS;
-    const int lo = sp * chunk, hi = min(lo + chunk, length);
+    const int kvh = a.kvh, sp = a.sp, length = a.length, chunk = a.chunk, lo = a.lo, hi = a.hi;
+    const int64_t pos = a.pos;
     const int kstride = HD + 8;  // the key block's row stride (16-byte rows, no bank conflicts)
-    // scratch in xs: q [G, HD], cos/sin rows [2 HD], own k and v [2 HD], p [G, kKeys], alpha [G],
-    // keys [kKeys, HD + 8] and values [kKeys, HD] (bf16)
-    float* qs = xs;
-    float* cs = qs + G * HD;
-    float* sn = cs + HD;
-    float* kn = sn + HD;
-    float* vn = kn + HD;
-    float* pb = vn + HD;
-    float* al = pb + G * kKeys;
-    __nv_bfloat16* kb = reinterpret_cast<__nv_bfloat16*>(al + 8 * ((G + 7) / 8) * 4);  // 16-byte aligned
-    __nv_bfloat16* vb = kb + kKeys * kstride;
-    const int64_t cbase = l * p.sk_l + slot * p.sk_s + kvh * p.sk_h;
+    float *qs = a.qs, *cs = a.cs, *sn = a.sn, *kn = a.kn, *vn = a.vn, *pb = a.pb, *al = a.al;
+    __nv_bfloat16 *kb = a.kb, *vb = a.vb;
+    const int64_t cbase = a.cbase;
     const __nv_bfloat16* qkv = p.qkv;
     bool on = lo < hi;
     if (on) {
+      if (pre) consumers_sync();  // every thread's copies landed
       for (int d = tid; d < HD; d += kConsumers) {
-        cs[d] = __bfloat162float(p.cos[pos * p.s_tab + d]);
-        sn[d] = __bfloat162float(p.sin[pos * p.s_tab + d]);
+        cs[d] = __bfloat162float(pre ? a.csb[d] : p.cos[pos * p.s_tab + d]);
+        sn[d] = __bfloat162float(pre ? a.csb[HD + d] : p.sin[pos * p.s_tab + d]);
       }
       consumers_sync();
       // q of the G heads and (in the split that holds it) the own key, rotated as the rotary kernel does
@@ -398,10 +464,13 @@ struct Consumer {
       float m_i = -INFINITY, l_i = 0.f;  // warp g's head (lanes agree)
       float o[4] = {0.f, 0.f, 0.f, 0.f};  // thread's (head, dim) pairs tid, tid + 256, ...
       for (int start = lo; start < hi; start += kKeys) {
-        // the block's keys and values: from the cache, the own one from registers
+        // the block's keys and values: from the cache, the own one from registers (the first
+        // block, copied ahead, lacks only the own row)
+        const bool copied = pre && start == lo;
         for (int e = tid; e < kKeys * (HD / 8); e += kConsumers) {
           int j = e / (HD / 8), c = (e % (HD / 8)) * 8;
           int n = start + j;
+          if (copied && n != pos) continue;
           uint4 ku = make_uint4(0, 0, 0, 0), vu = make_uint4(0, 0, 0, 0);
           if (n < hi && n != pos) {
             ku = __ldcg(reinterpret_cast<const uint4*>(p.kc + cbase + n * p.sk_t + c));
@@ -521,6 +590,7 @@ struct Consumer {
       layer_slices(p, l, pid, P, s);
       const __nv_bfloat16* src = l == 0 ? p.x : p.res;
       const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
+      if (pid < nitem && p.mode < 2) att_prefetch(att_setup(l, pid));
       // Q
       if (l > 0) wait_count(cnt + (l - 1) * kPhases + 4, P, 0);
       float xr[32];
@@ -536,7 +606,7 @@ struct Consumer {
         wait_count(cnt + l * kPhases + 0, P, 1);
         long long t0 = clock64();
         if (p.mode < 2)
-          for (int item = pid; item < nitem; item += P) attention(l, item);
+          for (int item = pid; item < nitem; item += P) attention(l, item, item == pid);
         st[8] += clock64() - t0;
       }
       // O
@@ -597,12 +667,12 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int pid = blockIdx.x, P = gridDim.x;
-  const int xs_floats = max(max(p.DIM, p.H * p.HD), p.I);
+  const int xsf = xs_floats(p.DIM, p.H * p.HD, p.I, p.H / p.HKV, p.HD);
   Ring ring;
   ring.n = p.nstages;
   ring.buf = reinterpret_cast<__nv_bfloat16*>(smem);
   float* xs = reinterpret_cast<float*>(smem + (size_t)ring.n * kStageBytes);
-  float* parts = xs + xs_floats;
+  float* parts = xs + (xsf + 3) / 4 * 4;
   float* red = parts + kMaxParts;
   int* flag = reinterpret_cast<int*>(red + kConsumerWarps + 8);
   ring.full = reinterpret_cast<uint64_t*>(flag + 2);
@@ -629,10 +699,8 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
 extern "C" {
 
 // Shared memory a block needs beside its ring of stages.
-int realtime_stack_fixed_smem(int dim, int hhd, int inter) {
-  int xs = dim > hhd ? dim : hhd;
-  xs = xs > inter ? xs : inter;
-  return xs * 4 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + 8;
+int realtime_stack_fixed_smem(int dim, int hhd, int inter, int g, int hd) {
+  return (xs_floats(dim, hhd, inter, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + 8;
 }
 
 int realtime_stack_stage_bytes() { return kStageBytes; }
