@@ -182,33 +182,39 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         ref = model._decode(step_x[:, None], pos, cache, slots)[:, 0].float()
     rk, rv = cache.k[:, :, :, p0].float(), cache.v[:, :, :, p0].float()
     model.stack = saved
-    for ns in (None, 4, 8, 16):
-        for stages in (None, 6) if ns is None else (None,):
-            def fn(ns=ns, stages=stages):  # noqa: ANN202
-                return dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, splits=ns, stages=stages)
-            name = f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}" + (
-                f", {stages} stages" if stages else "")
-            try:
-                cache.k.copy_(k0)
-                cache.v.copy_(v0)
-                out = fn().float()
-                torch.cuda.synchronize()
-                rel = float((out - ref).norm() / ref.norm())
-                relk = float((cache.k[:, :, :, p0].float() - rk).norm() / rk.norm())
-                relv = float((cache.v[:, :, :, p0].float() - rv).norm() / rv.norm())
-                log(f"  {name}: vs the layer path: out {rel:.2e}, k {relk:.2e}, v {relv:.2e} (relative); "
-                    f"counter timeouts {dsc.errors(w)}")
-            except Exception as exc:  # a failing build or launch must not lose the other rows
-                log(f"  {name}: failed: {exc!r}"[:400])
-                continue
-            row(name, fn, weight_bytes)
+    variants = [dict(), dict(inflight=0), dict(inflight=2), dict(inflight=3), dict(inflight=6), dict(stages=6),
+                dict(splits=4), dict(splits=16), dict(splits=4, inflight=3)]
+    for kw in variants:
+        ns, stages = kw.get("splits"), kw.get("stages")
+
+        def fn(kw=kw):  # noqa: ANN202
+            return dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, **kw)
+        fl = kw.get("inflight", dsc.INFLIGHT)
+        name = (f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}"
+                + (f", {stages} stages" if stages else "") + f", {fl or 'all'} in flight")
+        try:
+            cache.k.copy_(k0)
+            cache.v.copy_(v0)
+            out = fn().float()
+            torch.cuda.synchronize()
+            rel = float((out - ref).norm() / ref.norm())
+            relk = float((cache.k[:, :, :, p0].float() - rk).norm() / rk.norm())
+            relv = float((cache.v[:, :, :, p0].float() - rv).norm() / rv.norm())
+            log(f"  {name}: vs the layer path: out {rel:.2e}, k {relk:.2e}, v {relv:.2e} (relative); "
+                f"counter timeouts {dsc.errors(w)}")
+        except Exception as exc:  # a failing build or launch must not lose the other rows
+            log(f"  {name}: failed: {exc!r}"[:400])
+            continue
+        row(name, fn, weight_bytes)
     # Where the CUDA stack's time goes: each SM's cycle counts for one step, and the step without
     # its waits (mode 1) and without its arithmetic too (mode 2: how fast the weights stream alone)
     k0, v0 = cache.k.clone(), cache.v.clone()
-    for mode, name in ((1, "CUDA stack, no counter waits (probe mode 1)"),
-                       (2, "CUDA stack, weights streamed only (probe mode 2)")):
-        row(name, lambda mode=mode: dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, mode=mode),
-            weight_bytes)
+    for mode, fl, name in ((1, None, "CUDA stack, no counter waits (probe mode 1)"),
+                           (2, None, "CUDA stack, weights streamed only (probe mode 2)"),
+                           (2, 0, "CUDA stack, weights streamed only, all in flight"),
+                           (2, 2, "CUDA stack, weights streamed only, 2 in flight")):
+        row(name, lambda mode=mode, fl=fl: dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin,
+                                                                 mode=mode, inflight=fl), weight_bytes)
     cache.k.copy_(k0)
     cache.v.copy_(v0)
     stats = torch.zeros(sms, dsc.STATS, dtype=torch.int64, device=step_x.device)

@@ -36,6 +36,8 @@ _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
 _PHASES = 5
 _KEYS = 32  # keys an attention block (kKeys)
 _SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, dividing a stage
+# Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
+INFLIGHT = 4
 STATS = 16  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
               "wait before q|k|v (previous down)", "wait before the attention (q|k|v)", "wait before o (the heads)",
@@ -146,10 +148,11 @@ def _fits(smem: int) -> bool:
 def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,  # noqa: ANN001
                       cos: Tensor, sin: Tensor, programs: int | None = None, splits: int | None = None,
                       stages: int | None = None, pdl: bool = True, stats: Tensor | None = None,
-                      mode: int = 0) -> Tensor:
+                      mode: int = 0, inflight: int | None = None) -> Tensor:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
+    ``inflight`` caps the weight copies in flight an SM (default ``INFLIGHT``; 0: the whole ring).
 
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
     ``STAT_NAMES``); ``mode`` 1 skips the counter waits and 2 also the arithmetic (the weights
@@ -199,7 +202,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     a = (ctypes.c_int64 * 27)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                               k_cache.stride(3), cos.stride(0), 0 if stats is None else stats.data_ptr())
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
-    n = (ctypes.c_int * 10)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode)
+    fl = INFLIGHT if inflight is None else inflight
+    check(0 <= fl, f"inflight must be >= 0, got {fl}")
+    n = (ctypes.c_int * 11)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

@@ -73,6 +73,7 @@ struct Params {
   int L, DIM, H, HKV, HD, I, TMAX, NS, nstages;
   long long* stats;  // [P, kStats] SM-cycle counts (a probe's diagnosis), or null
   int mode;          // 0: the step; probes: 1 no counter waits (wrong results), 2 also no arithmetic
+  int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
@@ -199,6 +200,14 @@ __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
     int slot = g % ring.n;
     uint32_t use = g / ring.n;
     long long t0 = p.stats ? clock64() : 0;
+    if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
+      // Little's law: every SM with its whole ring in flight fills the memory system's queues,
+      // and every read on the critical path (the attention's, the counters') waits behind them.
+      // Enough copies stay in flight to keep the HBM busy; the other stages hold landed bytes,
+      // so a consumer that stalls does not stall the stream.
+      uint32_t back = g - p.inflight;
+      mbar_wait(&ring.full[back % ring.n], (back / ring.n) & 1);
+    }
     mbar_wait(&ring.empty[slot], (use & 1) ^ 1);
     if (p.stats) waited += clock64() - t0;
     uint32_t bytes = (uint32_t)s.rows(i) * s.K * 2;
@@ -708,7 +717,7 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0), f: eps and qk_scale, n:
-// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode). Returns a cudaError_t.
+// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -750,6 +759,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.nstages = n[8];
   p.stats = reinterpret_cast<long long*>(a[26]);
   p.mode = n[9];
+  p.inflight = n[10];
   static int smem_set = -1;  // the attribute is set once per size (not on every launch)
   cudaError_t e;
   if (smem != smem_set) {
