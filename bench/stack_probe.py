@@ -130,6 +130,50 @@ def plot_traces(result: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def plot_cuda(results: list[dict], png: Path) -> None:
+    """The CUDA C++ stack across probe results (one a commit, in order): left, a 1B step's time for
+    the layer path, the Triton stack and the CUDA stack as served by each commit, with the copy
+    floor; right, the last result's CUDA variants (copies in flight, splits, probe modes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def by(r: dict) -> dict:
+        return {row["name"]: row.get("us") for row in r["rows"] if row.get("us")}
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.4]})
+    commits = [r["commit"] for r in results]
+    xs = range(len(results))
+    layer = [by(r).get("layer-by-layer (_decode, no stack)") for r in results]
+    triton = [by(r).get("stack, as served") for r in results]
+    cuda = [next((v for k, v in by(r).items() if k.startswith("CUDA stack, splits=") and "stages" not in k
+                  and (k.endswith("splits=9") or k.endswith("splits=9, 2 in flight"))), None) for r in results]
+    ax.plot(xs, layer, "o-", label="layer path (served today)")
+    ax.plot(xs, triton, "s-", label="Triton stack")
+    ax.plot(xs, cuda, "^-", label="CUDA stack (the commit's default or its best cap)")
+    floor = [r["weight_bytes"] / (r["copy_bw_GB_s"] * 1e9) * 1e6 for r in results]
+    ax.plot(xs, floor, "--", color="0.5", label="weight bytes at the copy bandwidth")
+    ax.set_xticks(list(xs), commits, fontsize=8)
+    ax.set_ylabel("µs a step (16 layers, batch 1)")
+    ax.set_ylim(0, max(v for v in layer + triton + cuda if v) * 1.1)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title("Llama-3.2-1B decode step, one call each", fontsize=9)
+    last = results[-1]
+    rows = [(k, v) for k, v in by(last).items() if k.startswith("CUDA") or k.startswith("layer-by-layer (_decode, no stack)")]
+    bx.barh([k.replace("CUDA stack, ", "") for k, _ in rows], [v for _, v in rows],
+            color=["C0" if k.startswith("layer") else ("0.6" if "mode" in k or "streamed" in k or "waits" in k else "C2")
+                   for k, _ in rows])
+    bx.axvline(floor[-1], ls="--", color="0.5")
+    bx.tick_params(axis="y", labelsize=7)
+    bx.invert_yaxis()
+    bx.set_xlabel("µs a step")
+    bx.set_title(f"{last['device']}, {last['date']}, {last['commit']}: CUDA stack variants (grey: probe modes)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def finish(args, ds, w, cfg, bw: float, weight_bytes: int, sms: int, rows: list, stack, traced) -> int:  # noqa: ANN001
     """The traced steps (``traced``: (label, tune, programs) each), the summary, the JSON; the exit code."""
     nl = cfg.n_layers
@@ -250,10 +294,17 @@ def main() -> int:
                     help="only the layer path, the Triton stack as served and the CUDA C++ stack's rows")
     ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
+    ap.add_argument("--plot-cuda", metavar="JSON", nargs="+",
+                    help="only plot probe results' CUDA-stack rows (one a commit, in order) into --out's name with .png")
     ap.add_argument("--ncu", action="store_true",
                     help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
                          "each (no timing, no graphs) and exit, e.g. ncu -k regex:_stack_kernel -c 1 ...")
     args = ap.parse_args()
+    if args.plot_cuda:  # no GPU needed
+        png = Path(args.out).with_suffix(".png")
+        plot_cuda([json.loads(Path(f).read_text()) for f in args.plot_cuda], png)
+        print(f"wrote {png}")
+        return 0
     if args.plot:  # no GPU needed
         png = Path(args.plot).with_suffix(".png")
         plot_traces(json.loads(Path(args.plot).read_text()), png)

@@ -192,14 +192,23 @@ struct Ring {
   int n;
 };
 
+// Cycle counter reads only in the timed build (stats): the clock reads cost the step ~5 % on an
+// H100 (a25224d's untimed-looking build had them on every stage).
+template <bool kTimed>
+__device__ __forceinline__ long long now() {
+  if constexpr (kTimed) return clock64();
+  return 0;
+}
+
+template <bool kTimed>
 __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
   // one lane issues every copy; the stage index g runs over the whole step
   uint32_t g = 0;
-  long long t_start = clock64(), waited = 0;
+  long long t_start = now<kTimed>(), waited = 0;
   auto issue = [&](const Slice& s, int i) {
     int slot = g % ring.n;
     uint32_t use = g / ring.n;
-    long long t0 = p.stats ? clock64() : 0;
+    long long t0 = now<kTimed>();
     if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
       // Little's law: every SM with its whole ring in flight fills the memory system's queues,
       // and every read on the critical path (the attention's, the counters') waits behind them.
@@ -209,7 +218,7 @@ __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
       mbar_wait(&ring.full[back % ring.n], (back / ring.n) & 1);
     }
     mbar_wait(&ring.empty[slot], (use & 1) ^ 1);
-    if (p.stats) waited += clock64() - t0;
+    waited += now<kTimed>() - t0;
     uint32_t bytes = (uint32_t)s.rows(i) * s.K * 2;
     mbar_expect_tx(&ring.full[slot], bytes);
     bulk_copy(ring.buf + (size_t)slot * kStageElems, s.src(i), bytes, &ring.full[slot]);
@@ -226,12 +235,13 @@ __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
     }
     for (int i = 0; i < s[4].stages(); ++i) issue(s[4], i);
   }
-  if (p.stats) {
+  if (kTimed) {
     p.stats[pid * kStats + 0] = waited;
-    p.stats[pid * kStats + 1] = clock64() - t_start;
+    p.stats[pid * kStats + 1] = now<kTimed>() - t_start;
   }
 }
 
+template <bool kTimed>
 struct Consumer {
   const Params& p;
   Ring ring;
@@ -244,7 +254,7 @@ struct Consumer {
   long long st[kStats] = {};  // thread 0's cycle counts (stats)
 
   __device__ void wait_count(const int* c, int target, int kind) {
-    long long t0 = clock64();
+    long long t0 = now<kTimed>();
     if (tid == 0 && p.mode == 0) {
       unsigned n = 0;
       while (ld_acquire(c) < target) {
@@ -255,7 +265,7 @@ struct Consumer {
       }
     }
     consumers_sync();
-    st[3 + kind] += clock64() - t0;
+    st[3 + kind] += now<kTimed>() - t0;
   }
 
   __device__ void signal(int* c) {  // after every consumer's stores
@@ -328,9 +338,9 @@ struct Consumer {
     int slot = g % ring.n;
     uint32_t use = g / ring.n;
     ++g;
-    long long t0 = clock64();
+    long long t0 = now<kTimed>();
     mbar_wait(&ring.full[slot], use & 1);
-    st[2] += clock64() - t0;
+    st[2] += now<kTimed>() - t0;
     st[11] += 1;
     int e0 = warp * kSeg;
     int nr = s.rows(i);
@@ -582,10 +592,10 @@ struct Consumer {
   }
 
   __device__ void run() {
-    long long t_start = clock64();
+    long long t_start = now<kTimed>();
     run_layers();
-    if (p.stats && tid == 0) {
-      st[9] = clock64() - t_start;
+    if (kTimed && tid == 0) {
+      st[9] = now<kTimed>() - t_start;
       for (int i = 2; i < kStats; ++i) p.stats[pid * kStats + i] = st[i];
     }
   }
@@ -603,9 +613,9 @@ struct Consumer {
       // Q
       if (l > 0) wait_count(cnt + (l - 1) * kPhases + 4, P, 0);
       float xr[32];
-      long long tn = clock64();
+      long long tn = now<kTimed>();
       norm_x(src, nw, p.DIM, xr);
-      st[10] += clock64() - tn;
+      st[10] += now<kTimed>() - tn;
       for (int i = 0; i < s[0].stages(); ++i) stage(s[0], i, 0, xr);
       consumers_sync();
       for (int r = tid; r < s[0].n; r += kConsumers) p.qkv[s[0].row0 + r] = __float2bfloat16(row_sum(s[0], 0, r));
@@ -613,16 +623,16 @@ struct Consumer {
       // A
       if (pid < nitem) {
         wait_count(cnt + l * kPhases + 0, P, 1);
-        long long t0 = clock64();
+        long long t0 = now<kTimed>();
         if (p.mode < 2)
           for (int item = pid; item < nitem; item += P) attention(l, item, item == pid);
-        st[8] += clock64() - t0;
+        st[8] += now<kTimed>() - t0;
       }
       // O
       wait_count(cnt + l * kPhases + 1, p.HKV, 2);
-      tn = clock64();
+      tn = now<kTimed>();
       load_x(p.attn, hhd, xr);
-      st[10] += clock64() - tn;
+      st[10] += now<kTimed>() - tn;
       for (int i = 0; i < s[1].stages(); ++i) stage(s[1], i, 0, xr);
       consumers_sync();
       for (int r = tid; r < s[1].n; r += kConsumers) {
@@ -633,9 +643,9 @@ struct Consumer {
       signal(cnt + l * kPhases + 2);
       // G
       wait_count(cnt + l * kPhases + 2, P, 3);
-      tn = clock64();
+      tn = now<kTimed>();
       norm_x(p.res, nw + p.DIM, p.DIM, xr);
-      st[10] += clock64() - tn;
+      st[10] += now<kTimed>() - tn;
       const int up = s[2].n * (p.DIM / kSeg);
       for (int i = 0; i < s[2].stages(); ++i) {
         stage(s[2], i, 0, xr);
@@ -651,9 +661,9 @@ struct Consumer {
       // D
       wait_count(cnt + l * kPhases + 3, P, 4);
       if (l == p.L - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-      tn = clock64();
+      tn = now<kTimed>();
       load_x(p.act, p.I, xr);
-      st[10] += clock64() - tn;
+      st[10] += now<kTimed>() - tn;
       for (int i = 0; i < s[4].stages(); ++i) stage(s[4], i, 0, xr);
       consumers_sync();
       for (int r = tid; r < s[4].n; r += kConsumers) {
@@ -672,6 +682,7 @@ struct Consumer {
   }
 };
 
+template <bool kTimed>
 __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -695,11 +706,11 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   }
   __syncthreads();
   if (warp == kConsumerWarps) {  // the producer: weights only, which no earlier kernel writes
-    if (lane == 0) produce(p, ring, pid, P);
+    if (lane == 0) produce<kTimed>(p, ring, pid, P);
     return;
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished (x, pos, caches)
-  Consumer c{p, ring, xs, parts, red, flag, tid, warp, lane, pid, P};
+  Consumer<kTimed> c{p, ring, xs, parts, red, flag, tid, warp, lane, pid, P};
   c.run();
 }
 
@@ -760,12 +771,14 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.stats = reinterpret_cast<long long*>(a[26]);
   p.mode = n[9];
   p.inflight = n[10];
-  static int smem_set = -1;  // the attribute is set once per size (not on every launch)
+  static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
+  const bool timed = p.stats != nullptr;
   cudaError_t e;
-  if (smem != smem_set) {
-    e = cudaFuncSetAttribute(stack_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (smem != smem_set[timed]) {
+    e = cudaFuncSetAttribute(timed ? stack_kernel<true> : stack_kernel<false>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
-    smem_set = smem;
+    smem_set[timed] = smem;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
@@ -777,15 +790,15 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  e = cudaLaunchKernelEx(&cfg, stack_kernel, p);
+  e = timed ? cudaLaunchKernelEx(&cfg, stack_kernel<true>, p) : cudaLaunchKernelEx(&cfg, stack_kernel<false>, p);
   return (int)e;
 }
 
 // How many blocks of the kernel fit on one SM with this shared memory (0: none).
 int realtime_stack_blocks_per_sm(int smem) {
   int nb = 0;
-  if (cudaFuncSetAttribute(stack_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return -1;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, stack_kernel, kThreads, smem) != cudaSuccess) return -1;
+  if (cudaFuncSetAttribute(stack_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return -1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, stack_kernel<false>, kThreads, smem) != cudaSuccess) return -1;
   return nb;
 }
 
