@@ -226,8 +226,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         ref = model._decode(step_x[:, None], pos, cache, slots)[:, 0].float()
     rk, rv = cache.k[:, :, :, p0].float(), cache.v[:, :, :, p0].float()
     model.stack = saved
-    variants = [dict(), dict(inflight=0), dict(inflight=2), dict(inflight=3), dict(inflight=6), dict(stages=6),
-                dict(splits=4), dict(splits=16), dict(splits=4, inflight=3)]
+    variants = [dict(), dict(inflight=1), dict(inflight=3), dict(inflight=0), dict(balance=0), dict(balance=40),
+                dict(balance=80), dict(balance=120), dict(splits=4), dict(splits=16), dict(splits=4, balance=80)]
     for kw in variants:
         ns, stages = kw.get("splits"), kw.get("stages")
 
@@ -235,7 +235,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
             return dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, **kw)
         fl = kw.get("inflight", dsc.INFLIGHT)
         name = (f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}"
-                + (f", {stages} stages" if stages else "") + f", {fl or 'all'} in flight")
+                + (f", {stages} stages" if stages else "") + f", {fl or 'all'} in flight"
+                + (f", balance {kw['balance']}" if "balance" in kw else ""))
         try:
             cache.k.copy_(k0)
             cache.v.copy_(v0)

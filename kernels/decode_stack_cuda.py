@@ -30,7 +30,8 @@ from torch import Tensor
 
 from ._triton import check
 
-__all__ = ["available", "takes", "decode_stack_cuda", "errors", "default_splits", "build", "STATS", "STAT_NAMES"]
+__all__ = ["available", "takes", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
+           "STATS", "STAT_NAMES"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
 _PHASES = 5
@@ -140,6 +141,26 @@ def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int
     return n, n * stage + fixed + 16 * n + 64
 
 
+def row_start(n: int, pid: int, programs: int, items: int, balance: int) -> int:
+    """The kernel's first row of ``n`` for SM ``pid`` (row_start in the .cu): ``ceil(n / programs)``
+    rows an SM for balance < 0, else shares of 1000 an SM less ``balance`` for the SMs < items."""
+    if balance < 0:
+        return min(n, pid * -(-n // programs))
+    total = 1000 * programs - balance * min(items, programs)
+    return n * (1000 * pid - balance * min(pid, items)) // total
+
+
+@functools.cache
+def _most_rows(n: int, programs: int, items: int, balance: int) -> int:
+    return max(row_start(n, i + 1, programs, items, balance) - row_start(n, i, programs, items, balance)
+               for i in range(programs))
+
+
+def max_rows(programs: int, items: int, balance: int):  # noqa: ANN201
+    """n -> the most rows of n any SM gets."""
+    return lambda n: _most_rows(n, programs, items, balance)
+
+
 @functools.cache
 def _fits(smem: int) -> bool:
     return build().realtime_stack_blocks_per_sm(smem) >= 1
@@ -148,11 +169,13 @@ def _fits(smem: int) -> bool:
 def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,  # noqa: ANN001
                       cos: Tensor, sin: Tensor, programs: int | None = None, splits: int | None = None,
                       stages: int | None = None, pdl: bool = True, stats: Tensor | None = None,
-                      mode: int = 0, inflight: int | None = None) -> Tensor:
+                      mode: int = 0, inflight: int | None = None, balance: int = -1) -> Tensor:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
     ``inflight`` caps the weight copies in flight an SM (default ``INFLIGHT``; 0: the whole ring).
+    ``balance`` >= 0 splits every GEMV's rows by weight, that many per mille fewer for the SMs that
+    also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed).
 
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
     ``STAT_NAMES``); ``mode`` 1 skips the counter waits and 2 also the arithmetic (the weights
@@ -182,8 +205,10 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     ns = splits or default_splits(hkv, k_cache.shape[3], p)
     check(1 <= ns <= 64, f"splits must be in [1, 64], got {ns}")
     n_stages, smem = _smem_plan(dll, dim, h * hd, inter, h // hkv, hd, stages)
-    parts = max(2 * math.ceil(inter / p) * (dim // _SEG), math.ceil(nqkv / p) * (dim // _SEG),
-                math.ceil(dim / p) * (inter // _SEG), math.ceil(dim / p) * (h * hd // _SEG))
+    check(-1 <= balance <= 500, f"balance is -1 or 0..500 per mille, got {balance}")
+    most = max_rows(p, hkv * ns, balance)
+    parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
+                most(dim) * (h * hd // _SEG))
     check(parts <= dll.realtime_stack_max_parts(), f"{p} programs leave too many rows an SM ({parts} partial sums)")
     check(_fits(smem), "the kernel's shared memory does not fit an SM")
     check(p <= torch.cuda.get_device_properties(x.device).multi_processor_count,
@@ -204,7 +229,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
     fl = INFLIGHT if inflight is None else inflight
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
-    n = (ctypes.c_int * 11)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages)
+    n = (ctypes.c_int * 12)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

@@ -7,18 +7,21 @@
 //   * A producer warp per SM walks the SM's whole weight schedule for the step (its rows of
 //     q|k|v, o, gate|up and down, layer after layer) and copies each 16 KB piece into a ring of
 //     shared-memory stages with bulk copies (cp.async.bulk, completion on an mbarrier). It waits
-//     only for a free stage, never for activations: while the consumers wait for the other SMs
-//     (a phase boundary, the attention), the HBM keeps streaming the next phase's weights.
+//     for a free stage and keeps at most `inflight` copies outstanding (the other stages hold
+//     received bytes), never for activations: while the consumers wait for the other SMs (a
+//     phase boundary, the attention), the SM's share of the HBM keeps streaming.
 //   * The phases wait on counters, one per (layer, phase), that only the SMs whose results a
 //     phase needs have to reach; the attention waits for q|k|v, the o rows for the 8 merged
 //     heads, and so on. The counters reset themselves at the end of the step.
 //
 // Per layer, for every SM (P of them, one block each, all resident):
-//   Q  input RMSNorm of the residual (each SM normalises the whole row into shared memory),
-//      then its rows of q|k|v                                  -> qkv scratch; counter Q += 1
-//   A  (SMs < HKV * NS) one attention item (kv head, split): RoPE, the own key and value
-//      written into the cache, online softmax over the split's keys; the last split of a kv
-//      head to finish merges the partials                       -> attn; counter A += 1 a kv head
+//   Q  input RMSNorm of the residual (each warp normalises its 1024 columns in registers, the
+//      row's sum of squares through shared memory), then its rows of q|k|v
+//                                                               -> qkv scratch; counter Q += 1
+//   A  (SMs < HKV * NS) one attention item (kv head, split): its first block of cached keys and
+//      values copied ahead at the layer's start; RoPE, the own key and value written into the
+//      cache, online softmax over the split's keys; the last split of a kv head to finish
+//      merges the partials                                      -> attn; counter A += 1 a kv head
 //   O  its rows of o + the residual                             -> res;  counter O += 1
 //   G  post-attention RMSNorm, its rows of gate and up, SwiGLU  -> act;  counter G += 1
 //   D  its rows of down + the residual                          -> res;  counter D += 1
@@ -28,6 +31,9 @@
 // products rounded to bf16 before the residual add, the residual rounded, RMSNorm's
 // (x * rstd) rounded before the weight, RoPE's products rounded, p rounded to bf16 before p.v.
 // Summation orders differ, so results agree within bf16 rounding, not bit for bit.
+//
+// Two builds: stack_kernel<false> is the step; stack_kernel<true> also counts cycles per SM
+// (Params::stats, for bench/stack_probe.py), which costs the step time.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -74,6 +80,7 @@ struct Params {
   long long* stats;  // [P, kStats] SM-cycle counts (a probe's diagnosis), or null
   int mode;          // 0: the step; probes: 1 no counter waits (wrong results), 2 also no arithmetic
   int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
+  int balance;       // < 0: cdiv(N, P) rows an SM; else per mille fewer rows for the SMs that attend
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
@@ -167,22 +174,36 @@ struct Slice {  // rows [row0, row0 + n) of a weight [N, K]
   __device__ int rows(int s) const { return min(rps, n - s * rps); }
 };
 
-__device__ __forceinline__ Slice slice(const __nv_bfloat16* w, int N, int K, int pid, int P) {
-  int r = (N + P - 1) / P;
-  int row0 = pid * r;
-  int n = max(0, min(r, N - row0));
+// Rows [row0, row0 + n) of N for SM pid. balance < 0: cdiv(N, P) rows each (the last SMs may get
+// fewer or none). balance >= 0: rows by weight, 1000 an SM less balance per mille for the SMs that
+// also attend (pid < nitem), each SM's start the floor of its weight's prefix share.
+__device__ __forceinline__ int64_t row_start(int N, int pid, int P, int nitem, int balance) {
+  const int64_t total = 1000LL * P - (int64_t)balance * min(nitem, P);
+  return (int64_t)N * (1000LL * pid - (int64_t)balance * min(pid, nitem)) / total;
+}
+
+__device__ __forceinline__ Slice slice(const __nv_bfloat16* w, int N, int K, int pid, int P, int nitem, int balance) {
+  if (balance < 0) {
+    int r = (N + P - 1) / P;
+    int row0 = pid * r;
+    int n = max(0, min(r, N - row0));
+    return Slice{w, row0, n, K, kStageElems / K};
+  }
+  int row0 = (int)row_start(N, pid, P, nitem, balance);
+  int n = (int)row_start(N, pid + 1, P, nitem, balance) - row0;
   return Slice{w, row0, n, K, kStageElems / K};
 }
 
 // The SM's slices of layer l: 0 q|k|v, 1 o, 2 gate, 3 up (gate and up stages alternate), 4 down.
 __device__ __forceinline__ void layer_slices(const Params& p, int l, int pid, int P, Slice* s) {
   int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
-  s[0] = slice(p.wqkv + (int64_t)l * nqkv * p.DIM, nqkv, p.DIM, pid, P);
-  s[1] = slice(p.wo + (int64_t)l * p.DIM * hhd, p.DIM, hhd, pid, P);
+  const int ni = p.HKV * p.NS, b = p.balance;
+  s[0] = slice(p.wqkv + (int64_t)l * nqkv * p.DIM, nqkv, p.DIM, pid, P, ni, b);
+  s[1] = slice(p.wo + (int64_t)l * p.DIM * hhd, p.DIM, hhd, pid, P, ni, b);
   const __nv_bfloat16* g = p.wgu + (int64_t)l * 2 * p.I * p.DIM;
-  s[2] = slice(g, p.I, p.DIM, pid, P);
-  s[3] = slice(g + (int64_t)p.I * p.DIM, p.I, p.DIM, pid, P);
-  s[4] = slice(p.wd + (int64_t)l * p.DIM * p.I, p.DIM, p.I, pid, P);
+  s[2] = slice(g, p.I, p.DIM, pid, P, ni, b);
+  s[3] = slice(g + (int64_t)p.I * p.DIM, p.I, p.DIM, pid, P, ni, b);
+  s[4] = slice(p.wd + (int64_t)l * p.DIM * p.I, p.DIM, p.I, pid, P, ni, b);
 }
 
 struct Ring {
@@ -728,7 +749,8 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0), f: eps and qk_scale, n:
-// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight). Returns a cudaError_t.
+// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance). Returns a
+// cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -771,6 +793,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.stats = reinterpret_cast<long long*>(a[26]);
   p.mode = n[9];
   p.inflight = n[10];
+  p.balance = n[11];
   static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
   const bool timed = p.stats != nullptr;
   cudaError_t e;

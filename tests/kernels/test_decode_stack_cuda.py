@@ -49,6 +49,26 @@ def test_kernel_builds_for_sm90_without_spills(tmp_path) -> None:
     assert max(regs) <= 224, f"{regs} registers a thread: 288 threads must fit one SM's 64K"
 
 
+@pytest.mark.parametrize("n", [1, 64, 2048, 3072, 8192])
+@pytest.mark.parametrize("programs, items, balance", [(132, 72, -1), (132, 72, 0), (132, 72, 80), (132, 128, 300),
+                                                      (7, 3, 120), (132, 200, 50)])
+def test_row_split_covers_every_row_once(n: int, programs: int, items: int, balance: int) -> None:
+    """The rows of a GEMV split over the SMs (the kernel's row_start, mirrored in Python): each row
+    exactly once, in order; with a balance the SMs that attend get no more rows than the others."""
+    starts = [dsc.row_start(n, i, programs, items, balance) for i in range(programs + 1)]
+    assert starts[0] == 0 and starts[-1] == n
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(counts) >= 0
+    assert max(counts) == dsc.max_rows(programs, items, balance)(n)
+    if balance >= 0:
+        att, rest = counts[:min(items, programs)], counts[min(items, programs):]
+        if rest:
+            assert max(att) <= max(rest)
+            assert sum(att) / len(att) <= sum(rest) / len(rest) + 1
+        if balance == 0:
+            assert max(counts) - min(counts) <= 1  # as even as rows allow
+
+
 def test_refuses_what_it_does_not_take() -> None:
     """Clear errors, before any GPU work, for rows, dtypes and widths the kernel does not take."""
     from realtime.kernels.decode_stack import StackWeights
@@ -138,6 +158,31 @@ def test_cuda_stack_step_equals_the_layer_path(prompt: int, splits: int | None) 
     mask = torch.ones_like(cache.k, dtype=torch.bool)
     mask[:, 1, :, prompt] = False
     assert torch.equal(cache.k[mask], k0[mask]) and torch.equal(cache.v[mask], v0[mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("balance", [0, 80, 300])
+@pytest.mark.parametrize("inflight", [1, 2, 0])
+def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(balance: int, inflight: int) -> None:
+    """Which SM computes a row, and how many weight copies fly at once, change nothing in a row's
+    arithmetic: the step equals the default's bit for bit (output and caches)."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model = _model(3)
+    cache, slots = _prefilled(model, 70, slot=0)
+    x = torch.randn(1, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([70], device="cuda")
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    want = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
+    wk, wv = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    got = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, balance=balance,
+                                inflight=inflight)
+    torch.cuda.synchronize()
+    assert dsc.errors(model.stack) == 0
+    assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
 
 
 @pytest.mark.gpu
