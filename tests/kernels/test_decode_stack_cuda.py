@@ -17,6 +17,9 @@ from realtime.kernels import decode_stack_cuda as dsc
 # widths the kernel takes (every K one of 1024..8192); 2 layers, 4 query heads a kv head
 CFG = TransformerConfig(dim=1024, n_layers=2, n_heads=16, n_kv_heads=4, head_dim=64, intermediate_size=2048,
                         max_seq_len=200, rope_theta=500000.0)
+# the CSM depth decoder's head layout (head dim 128, 4 query heads a kv head), at test size
+DEPTH = TransformerConfig(dim=1024, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=128, intermediate_size=2048,
+                          max_seq_len=48, rope_theta=500000.0)
 SRC = Path(dsc.__file__).parent / "csrc" / "decode_stack.cu"
 
 
@@ -83,10 +86,10 @@ def test_refuses_what_it_does_not_take() -> None:
         dsc.decode_stack_cuda(w, x, z, z, z, z, z, z)
 
 
-def _model(seed: int = 0, with_f32: bool = False):  # noqa: ANN202
-    """The bf16 CFG model on CUDA with its stack on (and, with_f32, the same weights in float32)."""
+def _model(seed: int = 0, with_f32: bool = False, cfg: TransformerConfig = CFG):  # noqa: ANN202
+    """The bf16 ``cfg`` model on CUDA with its stack on (and, with_f32, the same weights in float32)."""
     torch.manual_seed(seed)
-    model = Transformer(CFG).eval()
+    model = Transformer(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.05)
@@ -110,10 +113,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _prefilled(model: Transformer, prompt: int, slot: int, x: torch.Tensor | None = None):  # noqa: ANN202
     dt = model.layers[0].mlp.down_proj.weight.dtype
-    cache = KVCache(CFG, n_slots=3, max_seq_len=CFG.max_seq_len, device="cuda", dtype=dt)
+    cfg = model.cfg
+    cache = KVCache(cfg, n_slots=3, max_seq_len=cfg.max_seq_len, device="cuda", dtype=dt)
     slots = torch.tensor([slot], device="cuda")
     if x is None:
-        x = torch.randn(1, prompt, CFG.dim, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, prompt, cfg.dim, device="cuda", dtype=torch.bfloat16)
     if prompt:
         with torch.no_grad():
             model(x.to(dt), torch.arange(prompt, device="cuda")[None], cache, slots)
@@ -121,21 +125,23 @@ def _prefilled(model: Transformer, prompt: int, slot: int, x: torch.Tensor | Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prompt", [0, 1, 31, 32, 70, 190])
+@pytest.mark.parametrize("cfg, prompt", [(CFG, 0), (CFG, 1), (CFG, 31), (CFG, 32), (CFG, 70), (CFG, 190),
+                                         (DEPTH, 0), (DEPTH, 5), (DEPTH, 40)])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_cuda_stack_step_equals_the_layer_path(prompt: int, splits: int | None) -> None:
+def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: int, splits: int | None) -> None:
     """One step at several cache lengths (empty, one key, a 32-key block's edge, several blocks,
-    near the end) and split counts, against the same step in float32: the output and the step's
+    near the end) and split counts, for a Llama layout and the CSM depth decoder's (head dim 128;
+    not yet run on a GPU), against the same step in float32: the output and the step's
     K/V rows are as close to it as the bf16 layer-by-layer kernels' are (other summation orders,
     same roundings), the other cache rows are untouched, and no counter timed out."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
-    model, m32 = _model(with_f32=True)
+    model, m32 = _model(with_f32=True, cfg=cfg)
     w = model.stack
-    xp = torch.randn(1, prompt, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    xp = torch.randn(1, prompt, cfg.dim, device="cuda", dtype=torch.bfloat16)
     cache, slots = _prefilled(model, prompt, slot=1, x=xp)
     c32, _ = _prefilled(m32, prompt, slot=1, x=xp)
-    x = torch.randn(1, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, cfg.dim, device="cuda", dtype=torch.bfloat16)
     pos = torch.tensor([prompt], device="cuda")
     cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
     k0, v0 = cache.k.clone(), cache.v.clone()
