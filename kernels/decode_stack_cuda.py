@@ -210,6 +210,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
                 most(dim) * (h * hd // _SEG))
     check(parts <= dll.realtime_stack_max_parts(), f"{p} programs leave too many rows an SM ({parts} partial sums)")
+    check(most(dim) <= 256, f"{p} programs leave over 256 residual rows an SM (one a consumer thread)")
     check(_fits(smem), "the kernel's shared memory does not fit an SM")
     check(p <= torch.cuda.get_device_properties(x.device).multi_processor_count,
           "at most one program an SM (every program must be resident)")

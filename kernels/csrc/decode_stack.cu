@@ -138,6 +138,16 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int atom_acq_rel_add(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 __device__ __forceinline__ void consumers_sync() {  // the consumer warps only (the producer runs on)
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
 }
@@ -289,12 +299,11 @@ struct Consumer {
     st[3 + kind] += now<kTimed>() - t0;
   }
 
-  __device__ void signal(int* c) {  // after every consumer's stores
+  // After every consumer's stores: the block barrier orders them before thread 0's release add
+  // (the same pattern as the Triton stack's barrier), one instruction instead of a fence and an add.
+  __device__ void signal(int* c) {
     consumers_sync();
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(c, 1);
-    }
+    if (tid == 0) red_release_add(c, 1);
   }
 
   // xs = RMSNorm(src) * w with rmsnorm's roundings; src written by other SMs (read through L2)
@@ -334,9 +343,10 @@ struct Consumer {
     }
   }
 
-  // xr = RMSNorm(src) * w on the warp's piece (rmsnorm's roundings); the row's sum of squares from
-  // the warps whose pieces tile it (warps 0 .. K / kSeg - 1)
-  __device__ void norm_x(const __nv_bfloat16* src, const __nv_bfloat16* w, int K, float (&xr)[32]) {
+  // xr = RMSNorm(src) * wr on the warp's piece (rmsnorm's roundings; wr: the norm weight's piece,
+  // loaded before the wait that src needs); the row's sum of squares from the warps whose pieces
+  // tile it (warps 0 .. K / kSeg - 1)
+  __device__ void norm_x(const __nv_bfloat16* src, const float (&wr)[32], int K, float (&xr)[32]) {
     load_x(src, K, xr);
     float ss = 0.f;
 #pragma unroll
@@ -347,8 +357,6 @@ struct Consumer {
     float tot = 0.f;
     for (int i = 0; i < K / kSeg; ++i) tot += red[i];
     const float rstd = rsqrtf(tot / K + p.eps);
-    float wr[32];
-    load_x(w, K, wr);
 #pragma unroll
     for (int i = 0; i < 32; ++i) xr[i] = bf(bf(xr[i] * rstd) * wr[i]);
   }
@@ -589,11 +597,7 @@ struct Consumer {
     }
     // the last split of the kv head to arrive merges the partials
     consumers_sync();
-    if (tid == 0) {
-      __threadfence();
-      *flag = atomicAdd(p.cnt + p.L * kPhases + l * p.HKV + kvh, 1) == NS - 1;
-      __threadfence();
-    }
+    if (tid == 0) *flag = atom_acq_rel_add(p.cnt + p.L * kPhases + l * p.HKV + kvh, 1) == NS - 1;
     consumers_sync();
     if (!*flag) return;
     for (int e = tid; e < G * HD; e += kConsumers) {
@@ -625,6 +629,9 @@ struct Consumer {
     const int hhd = p.H * p.HD;
     const int nitem = p.HKV * p.NS;
     int* cnt = p.cnt;
+    // thread r's register copy of the residual's row r of the SM's o/down rows (at most
+    // kConsumers rows an SM: the launcher checks), so the phase ends do not read it back
+    float resid = 0.f;
     for (int l = 0; l < p.L; ++l) {
       Slice s[5];
       layer_slices(p, l, pid, P, s);
@@ -632,10 +639,11 @@ struct Consumer {
       const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
       if (pid < nitem && p.mode < 2) att_prefetch(att_setup(l, pid));
       // Q
+      float xr[32], wr[32];
+      load_x(nw, p.DIM, wr);  // (no earlier kernel or phase writes the weights: before the wait)
       if (l > 0) wait_count(cnt + (l - 1) * kPhases + 4, P, 0);
-      float xr[32];
       long long tn = now<kTimed>();
-      norm_x(src, nw, p.DIM, xr);
+      norm_x(src, wr, p.DIM, xr);
       st[10] += now<kTimed>() - tn;
       for (int i = 0; i < s[0].stages(); ++i) stage(s[0], i, 0, xr);
       consumers_sync();
@@ -656,16 +664,18 @@ struct Consumer {
       st[10] += now<kTimed>() - tn;
       for (int i = 0; i < s[1].stages(); ++i) stage(s[1], i, 0, xr);
       consumers_sync();
-      for (int r = tid; r < s[1].n; r += kConsumers) {
-        int row = s[1].row0 + r;
-        float y = bf(row_sum(s[1], 0, r)) + __bfloat162float(__ldcg(src + row));
-        p.res[row] = __float2bfloat16(y);
+      if (tid < s[1].n) {  // the o and down rows are the same rows: thread r keeps row r's residual
+        float base = l == 0 ? __bfloat162float(p.x[s[1].row0 + tid]) : resid;
+        __nv_bfloat16 y = __float2bfloat16(bf(row_sum(s[1], 0, tid)) + base);
+        p.res[s[1].row0 + tid] = y;
+        resid = __bfloat162float(y);
       }
       signal(cnt + l * kPhases + 2);
       // G
+      load_x(nw + p.DIM, p.DIM, wr);
       wait_count(cnt + l * kPhases + 2, P, 3);
       tn = now<kTimed>();
-      norm_x(p.res, nw + p.DIM, p.DIM, xr);
+      norm_x(p.res, wr, p.DIM, xr);
       st[10] += now<kTimed>() - tn;
       const int up = s[2].n * (p.DIM / kSeg);
       for (int i = 0; i < s[2].stages(); ++i) {
@@ -687,10 +697,10 @@ struct Consumer {
       st[10] += now<kTimed>() - tn;
       for (int i = 0; i < s[4].stages(); ++i) stage(s[4], i, 0, xr);
       consumers_sync();
-      for (int r = tid; r < s[4].n; r += kConsumers) {
-        int row = s[4].row0 + r;
-        float y = bf(row_sum(s[4], 0, r)) + __bfloat162float(__ldcg(p.res + row));
-        p.res[row] = __float2bfloat16(y);
+      if (tid < s[4].n) {
+        __nv_bfloat16 y = __float2bfloat16(bf(row_sum(s[4], 0, tid)) + resid);
+        p.res[s[4].row0 + tid] = y;
+        resid = __bfloat162float(y);
       }
       signal(cnt + l * kPhases + 4);
     }
