@@ -32,13 +32,7 @@ CASES = [
 ]
 
 
-def _inputs(b, h, hkv, s, tmax, d, dtype, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, d, generator=g).to(device, dtype)
-    kc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
-    vc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
-    slots = torch.randperm(s, generator=g)[:b].to(device)
-    return q, kc, vc, slots
+from shared import attention_inputs as _inputs  # noqa: E402
 
 
 def _close(a, b, dtype):
@@ -113,19 +107,7 @@ def test_early_kv_switch_reaches_kernel(cpu_kernels, monkeypatch):
 # ---------------------------------------------------------------------------------------- GPU
 
 
-def _graph(fn):
-    """fn() eagerly (compiles), then captured in a CUDA graph and replayed -> (eager, replayed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        eager = fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return eager, out
+from shared import eager_and_replayed as _graph  # noqa: E402
 
 
 @pytest.mark.gpu

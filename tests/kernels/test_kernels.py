@@ -258,13 +258,7 @@ ATT_CASES = [  # B, H, Hkv, S, Tmax, D, lengths, num_splits
 ]
 
 
-def _att_inputs(b, h, hkv, s, tmax, d, dtype, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, d, generator=g).to(device, dtype)
-    kc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
-    vc = torch.randn(s, hkv, tmax, d, generator=g).to(device, dtype)
-    slots = torch.randperm(s, generator=g)[:b].to(device)
-    return q, kc, vc, slots
+from shared import attention_inputs as _att_inputs  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -721,19 +715,7 @@ def test_kernels_compile_for_sm90(tmp_path):
 # ---------------------------------------------------------------------------------------- GPU
 
 
-def _graph(fn):
-    """Capture fn() in a CUDA graph (after a warm-up that compiles), replay, return (eager, replayed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        eager = fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return eager, out
+from shared import eager_and_replayed as _graph  # noqa: E402
 
 
 def _time_us(fn, n=50):
