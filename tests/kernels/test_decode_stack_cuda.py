@@ -265,3 +265,15 @@ def test_engine_takes_the_cuda_stack_when_asked(monkeypatch) -> None:
     m32 = Transformer(CFG).eval().to("cuda")
     m32.fuse_projections()
     assert m32.enable_decode_stack() and not m32.stack_cuda  # float32: Triton's stack
+
+
+def test_unknown_stack_kernel_is_refused_at_import() -> None:
+    """REALTIME_STACK_KERNEL takes triton or cuda; anything else stops the import with the reason."""
+    import os
+    import sys
+
+    env = {**os.environ, "REALTIME_STACK_KERNEL": "cutlass"}
+    res = subprocess.run([sys.executable, "-c", "import realtime.engines.transformer"], env=env, capture_output=True,
+                         text=True)
+    assert res.returncode != 0
+    assert "REALTIME_STACK_KERNEL must be triton or cuda, got 'cutlass'" in res.stderr
