@@ -656,16 +656,15 @@ class Transformer(nn.Module):
         cos, sin = self.rope_table(cache.max_seq_len, x.dtype)
         pos = pos.contiguous()  # once here, not in every layer's kernel call
         if self.stack is not None and b <= STACK_MAX_M and x.dtype == self.stack.qkv.dtype == cache.dtype:
+            args = (self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v, slots.contiguous(), cos, sin)
             if self.stack_cuda and b == 1:
                 from realtime.kernels.decode_stack_cuda import decode_stack_cuda
 
-                h = decode_stack_cuda(self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v,
-                                      slots.contiguous(), cos, sin, programs=self.stack_programs)
-                return h.view(b, 1, cfg.dim)
-            from realtime.kernels.decode_stack import decode_stack
+                h = decode_stack_cuda(*args, programs=self.stack_programs)
+            else:
+                from realtime.kernels.decode_stack import decode_stack
 
-            h = decode_stack(self.stack, x.reshape(b, cfg.dim).contiguous(), pos, cache.k, cache.v,
-                             slots.contiguous(), cos, sin, programs=self.stack_programs, tune=_STACK_TUNE or None)
+                h = decode_stack(*args, programs=self.stack_programs, tune=_STACK_TUNE or None)
             return h.view(b, 1, cfg.dim)
         lengths = pos + 1  # keys 0..pos are valid for this query
 

@@ -129,11 +129,12 @@ class _Scratch:
         self.cnt = torch.zeros(nl * (_PHASES + hkv) + 1, device=dev, dtype=torch.int32)
 
 
-def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int | None) -> tuple[int, int]:  # noqa: ANN001
+def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int | None,  # noqa: ANN001
+               device: int) -> tuple[int, int]:
     """(stages, dynamic shared memory bytes): as many 16 KB stages as fit beside the fixed part."""
     fixed = dll.realtime_stack_fixed_smem(dim, hhd, inter, g, hd)
     stage = dll.realtime_stack_stage_bytes()
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 232448)  # (227 KB: sm_90's opt-in maximum)
     most = (limit - fixed - 16 * 64) // (stage + 16)  # (+ two mbarriers a stage, alignment slack)
     n = most if stages is None else stages
@@ -162,8 +163,27 @@ def max_rows(programs: int, items: int, balance: int):  # noqa: ANN201
 
 
 @functools.cache
-def _fits(smem: int) -> bool:
-    return build().realtime_stack_blocks_per_sm(smem) >= 1
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns: int, stages: int | None,
+          balance: int, device: int) -> tuple[int, int]:
+    """(ring stages, dynamic shared memory bytes) of a launch, after the checks that depend only
+    on the widths and settings: done once for each combination, not on every step."""
+    dll = build()
+    check(1 <= ns <= 64, f"splits must be in [1, 64], got {ns}")
+    check(-1 <= balance <= 500, f"balance is -1 or 0..500 per mille, got {balance}")
+    check(p <= _sms(device), "at most one program an SM (every program must be resident)")
+    n_stages, smem = _smem_plan(dll, dim, h * hd, inter, h // hkv, hd, stages, device)
+    most = max_rows(p, hkv * ns, balance)
+    parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
+                most(dim) * (h * hd // _SEG))
+    check(parts <= dll.realtime_stack_max_parts(), f"{p} programs leave too many rows an SM ({parts} partial sums)")
+    check(most(dim) <= 256, f"{p} programs leave over 256 residual rows an SM (one a consumer thread)")
+    check(dll.realtime_stack_blocks_per_sm(smem) >= 1, "the kernel's shared memory does not fit an SM")
+    return n_stages, smem
 
 
 def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,  # noqa: ANN001
@@ -201,19 +221,10 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     for t in (w.qkv, w.o, w.gate_up, w.down):
         check(t.is_contiguous() and t.data_ptr() % 16 == 0, "stacked weights must be contiguous and 16-byte aligned")
     dll = build()
-    p = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    p = programs or _sms(device)
     ns = splits or default_splits(hkv, k_cache.shape[3], p)
-    check(1 <= ns <= 64, f"splits must be in [1, 64], got {ns}")
-    n_stages, smem = _smem_plan(dll, dim, h * hd, inter, h // hkv, hd, stages)
-    check(-1 <= balance <= 500, f"balance is -1 or 0..500 per mille, got {balance}")
-    most = max_rows(p, hkv * ns, balance)
-    parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
-                most(dim) * (h * hd // _SEG))
-    check(parts <= dll.realtime_stack_max_parts(), f"{p} programs leave too many rows an SM ({parts} partial sums)")
-    check(most(dim) <= 256, f"{p} programs leave over 256 residual rows an SM (one a consumer thread)")
-    check(_fits(smem), "the kernel's shared memory does not fit an SM")
-    check(p <= torch.cuda.get_device_properties(x.device).multi_processor_count,
-          "at most one program an SM (every program must be resident)")
+    n_stages, smem = _plan(dim, nqkv, h, hkv, hd, inter, p, ns, stages, balance, device)
     key = ("cuda", p, ns, str(x.device))
     sc = w.scratch.get(key)
     if sc is None:  # allocated once, before any CUDA-graph capture (the capture warm-up runs the step)
