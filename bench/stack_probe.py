@@ -253,7 +253,6 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         row(name, fn, weight_bytes)
     # Where the CUDA stack's time goes: each SM's cycle counts for one step, and the step without
     # its waits (mode 1) and without its arithmetic too (mode 2: how fast the weights stream alone)
-    k0, v0 = cache.k.clone(), cache.v.clone()
     for mode, fl, name in ((1, None, "CUDA stack, no counter waits (probe mode 1)"),
                            (2, None, "CUDA stack, weights streamed only (probe mode 2)"),
                            (2, 0, "CUDA stack, weights streamed only, all in flight"),

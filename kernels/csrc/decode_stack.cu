@@ -418,6 +418,15 @@ struct Consumer {
     __nv_bfloat16 *kb, *vb, *csb;
   };
 
+  // The thread's t-th (head, dim) pair of the item's G x HD output (the pairs tid, tid + 256, ...;
+  // o[t] accumulates it): false past the last pair.
+  __device__ bool own_pair(int t, int G, int HD, int& gh, int& d) const {
+    const int e = tid + t * kConsumers;
+    gh = e / HD;
+    d = e % HD;
+    return e < G * HD;
+  }
+
   __device__ Att att_setup(int l, int item) const {
     Att a;
     const int HD = p.HD, G = p.H / p.HKV, NS = p.NS;
@@ -562,9 +571,8 @@ struct Consumer {
         consumers_sync();
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          int e = tid + t * kConsumers;
-          if (e >= G * HD) break;
-          int gh = e / HD, d = e % HD;
+          int gh, d;
+          if (!own_pair(t, G, HD, gh, d)) break;
           float a = o[t] * al[gh];
           for (int j = 0; j < kKeys; ++j) a = fmaf(pb[gh * kKeys + j], __bfloat162float(vb[j * HD + d]), a);
           o[t] = a;
@@ -581,9 +589,8 @@ struct Consumer {
       consumers_sync();
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
-        int e = tid + t * kConsumers;
-        if (e >= G * HD) break;
-        int gh = e / HD, d = e % HD;
+        int gh, d;
+        if (!own_pair(t, G, HD, gh, d)) break;
         if (NS == 1) {
           float den = al[gh];
           p.attn[(kvh * G + gh) * HD + d] = __float2bfloat16(o[t] / (den > 0.f ? den : 1.f));
