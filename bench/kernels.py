@@ -28,7 +28,7 @@ import torch
 
 from realtime.kernels.decode_attention import decode_attention, decode_attention_ref
 from realtime.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
-from realtime.kernels.rotary import apply_rotary, apply_rotary_ref
+from realtime.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_cache_write
 from realtime.kernels.sampling import sample, sample_ref
 
 DIM, N_HEADS, N_KV_HEADS, HEAD_DIM, TMAX = 2048, 32, 8, 64, 2048
@@ -73,6 +73,21 @@ def _cases(b: int, dtype: torch.dtype, fill: float):
     yield (f"decode_attn(len={n})", 2 * N_KV_HEADS * HEAD_DIM * e * b * n + 2 * b * N_HEADS * HEAD_DIM * e,
            lambda: decode_attention(qd, kc, vc, slots, lengths, scale),
            lambda: decode_attention_ref(qd, kc, vc, slots, lengths, scale))
+    # One layer of the engine's decode step: RoPE + the own key's cache write, then the attention,
+    # with the split's first key block loaded before its PDL wait (EARLY_KV) against without
+    # ("ref" here is early_kv=False; the speedup column is EARLY_KV's).
+    qkv = torch.randn(b, (N_HEADS + 2 * N_KV_HEADS) * HEAD_DIM, device=dev, dtype=dtype)
+    tab = torch.rand(TMAX, HEAD_DIM, device=dev, dtype=torch.float32) * 6.28
+    tcos, tsin = tab.cos().to(dtype), tab.sin().to(dtype)
+    pos = lengths - 1
+
+    def layer(early: bool):  # noqa: ANN202
+        def f():  # noqa: ANN202
+            qr = rotary_cache_write(qkv, tcos, tsin, pos, kc, vc, slots, N_HEADS, N_KV_HEADS)
+            return decode_attention(qr, kc, vc, slots, lengths, scale, early_kv=early)
+        return f
+    yield (f"rope+decode_attn(len={n}), early_kv on vs off", 2 * N_KV_HEADS * HEAD_DIM * e * b * n,
+           layer(True), layer(False))
 
     for name, v in VOCABS.items():
         logits = torch.randn(b, v, device=dev, dtype=torch.float32) * 3
