@@ -50,6 +50,8 @@ constexpr int kSeg = kStageElems / kConsumerWarps;  // elements a warp multiplie
 constexpr int kKeys = 32;                            // keys an attention block
 constexpr int kPhases = 5;
 constexpr int kMaxParts = 1024;                      // float partial sums a phase (checked by the launcher)
+constexpr int kMaxSplits = 16;                       // key splits a kv head (checked by the launcher)
+constexpr int kRopeIt = 3;  // rotated (head, pair) items a thread: (G + 1) * HD / 2 <= 9 * 64 over kConsumers
 constexpr unsigned kSpinLimit = 1u << 22;  // polls (~3 s) before a wait gives up: a bug, flagged
 
 struct Params {
@@ -78,15 +80,19 @@ struct Params {
   int64_t sk_l, sk_s, sk_h, sk_t, s_tab;
   int L, DIM, H, HKV, HD, I, TMAX, NS, nstages;
   long long* stats;  // [P, kStats] SM-cycle counts (a probe's diagnosis), or null
-  int mode;          // 0: the step; probes: 1 no counter waits (wrong results), 2 also no arithmetic
+  int mode;          // 0: the step; probes (wrong results): 1 no counter waits, 2 also no arithmetic,
+                     // 3 no counter waits and no attention
   int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
   int balance;       // < 0: cdiv(N, P) rows an SM; else per mille fewer rows for the SMs that attend
+  int prefetch;      // > 0: the producer also asks L2 for the stage this many ahead of each copy
+  int pair;          // 1: the consumers multiply two stages at a time (two reductions in flight)
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
 // cycles the consumers waited for a stage's bytes, waited at the counters before Q (the previous
 // layer's down), A (q|k|v), O (the heads), G (o), D (gate|up), in the attention, total, in the
-// row loads and norms, stages consumed
+// row loads and norms, stages consumed, in the stages' arithmetic (bytes landed to stage freed),
+// in the phase ends (the warps' last stages, row sums, stores, signals)
 constexpr int kStats = 16;
 
 // ---- PTX helpers: mbarriers, bulk copies, acquire/release counters
@@ -122,6 +128,10 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -179,6 +189,7 @@ __host__ __device__ inline int xs_floats(int dim, int hhd, int inter, int g, int
 struct Slice {  // rows [row0, row0 + n) of a weight [N, K]
   const __nv_bfloat16* w;
   int row0, n, K, rps;  // rps: rows a stage
+  int rw = 0, seg = 0, segs = 0;  // a consumer warp's row in each stage and segment of it (Consumer::seat)
   __device__ int stages() const { return n > 0 ? (n + rps - 1) / rps : 0; }
   __device__ const __nv_bfloat16* src(int s) const { return w + (int64_t)(row0 + s * rps) * K; }
   __device__ int rows(int s) const { return min(rps, n - s * rps); }
@@ -232,40 +243,79 @@ __device__ __forceinline__ long long now() {
   return 0;
 }
 
+// A position in the ring: stage slot and the parity of its use (no division on the hot path)
+struct RingPos {
+  int slot = 0;
+  uint32_t par = 0;
+  __device__ void advance(int n) {
+    if (++slot == n) {
+      slot = 0;
+      par ^= 1;
+    }
+  }
+};
+
+// The SM's weight schedule for the step, one stage at a time, in the consumers' order: per layer
+// its q|k|v stages, o, gate and up alternating, then down.
+struct Walk {
+  const Params& p;
+  int pid, P;
+  int l = 0, ph = 0, i = 0;  // ph: 0 q|k|v, 1 o, 2 gate|up, 3 down
+  Slice s[5];
+  __device__ Walk(const Params& p_, int pid_, int P_) : p(p_), pid(pid_), P(P_) { layer_slices(p, 0, pid, P, s); }
+  // the next stage's source and bytes; false past the step's last stage
+  __device__ bool next(const __nv_bfloat16*& src, uint32_t& bytes) {
+    while (l < p.L) {
+      // (named picks, not s[k] with a runtime k: that would put s in local memory)
+      const Slice c = ph == 0 ? s[0] : ph == 1 ? s[1] : ph == 3 ? s[4] : (i & 1) ? s[3] : s[2];
+      const int k = ph == 2 ? i >> 1 : i;
+      if (k < c.stages()) {
+        src = c.src(k);
+        bytes = (uint32_t)c.rows(k) * c.K * 2;
+        ++i;
+        return true;
+      }
+      i = 0;
+      if (++ph == 4) {
+        ph = 0;
+        if (++l < p.L) layer_slices(p, l, pid, P, s);
+      }
+    }
+    return false;
+  }
+};
+
 template <bool kTimed>
 __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
-  // one lane issues every copy; the stage index g runs over the whole step
+  // one lane issues every copy; g counts the step's stages
   uint32_t g = 0;
+  RingPos at, back;  // the stage to fill; the stage `inflight` copies back
   long long t_start = now<kTimed>(), waited = 0;
-  auto issue = [&](const Slice& s, int i) {
-    int slot = g % ring.n;
-    uint32_t use = g / ring.n;
+  Walk walk(p, pid, P), ahead(p, pid, P);
+  const __nv_bfloat16* src;
+  uint32_t bytes;
+  for (int i = 0; i < p.prefetch && ahead.next(src, bytes); ++i) prefetch_l2(src, bytes);
+  while (walk.next(src, bytes)) {
     long long t0 = now<kTimed>();
     if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
       // Little's law: every SM with its whole ring in flight fills the memory system's queues,
       // and every read on the critical path (the attention's, the counters') waits behind them.
       // Enough copies stay in flight to keep the HBM busy; the other stages hold landed bytes,
       // so a consumer that stalls does not stall the stream.
-      uint32_t back = g - p.inflight;
-      mbar_wait(&ring.full[back % ring.n], (back / ring.n) & 1);
+      mbar_wait(&ring.full[back.slot], back.par);
+      back.advance(ring.n);
     }
-    mbar_wait(&ring.empty[slot], (use & 1) ^ 1);
+    mbar_wait(&ring.empty[at.slot], at.par ^ 1);
     waited += now<kTimed>() - t0;
-    uint32_t bytes = (uint32_t)s.rows(i) * s.K * 2;
-    mbar_expect_tx(&ring.full[slot], bytes);
-    bulk_copy(ring.buf + (size_t)slot * kStageElems, s.src(i), bytes, &ring.full[slot]);
+    mbar_expect_tx(&ring.full[at.slot], bytes);
+    bulk_copy(ring.buf + (size_t)at.slot * kStageElems, src, bytes, &ring.full[at.slot]);
+    at.advance(ring.n);
     ++g;
-  };
-  for (int l = 0; l < p.L; ++l) {
-    Slice s[5];
-    layer_slices(p, l, pid, P, s);
-    for (int i = 0; i < s[0].stages(); ++i) issue(s[0], i);
-    for (int i = 0; i < s[1].stages(); ++i) issue(s[1], i);
-    for (int i = 0; i < s[2].stages(); ++i) {
-      issue(s[2], i);
-      issue(s[3], i);
-    }
-    for (int i = 0; i < s[4].stages(); ++i) issue(s[4], i);
+    // L2 holds the stage `prefetch` ahead by the time its copy is issued: the HBM keeps
+    // streaming while the ring is full of landed stages that stalled consumers have not used
+    const __nv_bfloat16* psrc;
+    uint32_t pbytes;
+    if (p.prefetch > 0 && ahead.next(psrc, pbytes)) prefetch_l2(psrc, pbytes);
   }
   if (kTimed) {
     p.stats[pid * kStats + 0] = waited;
@@ -282,7 +332,7 @@ struct Consumer {
   float* red;    // [kConsumerWarps] block reductions (the norms' sums of squares)
   int* flag;
   int tid, warp, lane, pid, P;
-  uint32_t g = 0;  // stage index, as the producer's
+  RingPos at;  // the next stage to consume, as the producer's walk
   long long st[kStats] = {};  // thread 0's cycle counts (stats)
 
   __device__ void wait_count(const int* c, int target, int kind) {
@@ -362,42 +412,91 @@ struct Consumer {
     for (int i = 0; i < 32; ++i) xr[i] = bf(bf(xr[i] * rstd) * wr[i]);
   }
 
-  // Multiply stage i of slice s by the warp's x piece; each warp's partial goes to
-  // parts[base + row * segs + seg].
-  __device__ void stage(const Slice& s, int i, int base, const float (&xr)[32]) {
-    int slot = g % ring.n;
-    uint32_t use = g / ring.n;
-    ++g;
+  // The warp's place in the slice's stages: every stage puts its kSeg elements at the same row
+  // and columns in front of it (once a layer, not a stage: runtime divisions)
+  __device__ void seat(Slice& s) const {
+    const int e0 = warp * kSeg;
+    s.rw = e0 / s.K;
+    s.seg = (e0 % s.K) / kSeg;
+    s.segs = s.K / kSeg;
+  }
+
+  struct Job {
+    const Slice* s;
+    int i, base;  // stage i of slice s; its partials from parts[base]
+  };
+
+  // Multiply N stages (in the producer's order) by the warp's x piece; each warp's partial goes to
+  // parts[base + row * segs + seg]. N = 2 keeps two loads and two reductions in flight: one stage's
+  // chain (bytes -> shared-memory loads -> 16 FMAs -> 5 shuffles) is latency, not issue, bound.
+  template <int N>
+  __device__ void stages(const Job (&jobs)[N], const float (&xr)[32]) {
+    int slot[N];
     long long t0 = now<kTimed>();
-    mbar_wait(&ring.full[slot], use & 1);
-    st[2] += now<kTimed>() - t0;
-    st[11] += 1;
-    int e0 = warp * kSeg;
-    int nr = s.rows(i);
-    if (e0 < nr * s.K && p.mode < 2) {
-      const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + e0;
-      const int col0 = e0 % s.K;
-      uint4 u[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) u[j] = *reinterpret_cast<const uint4*>(wst + j * 256 + lane * 8);
+    for (int j = 0; j < N; ++j) {
+      slot[j] = at.slot;
+      mbar_wait(&ring.full[at.slot], at.par);
+      at.advance(ring.n);
+    }
+    long long t1 = now<kTimed>();
+    st[2] += t1 - t0;
+    st[11] += N;
+    if (p.mode == 2) {  // probe: the weights stream, nothing multiplies them
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) mbar_arrive(&ring.empty[slot[j]]);
+      }
+      return;
+    }
+    uint4 u[N][4];
+    bool on[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      on[j] = jobs[j].s->rw < jobs[j].s->rows(jobs[j].i);
+      const __nv_bfloat16* wst = ring.buf + (size_t)slot[j] * kStageElems + warp * kSeg;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        u[j][q] = on[j] ? *reinterpret_cast<const uint4*>(wst + q * 256 + lane * 8) : make_uint4(0, 0, 0, 0);
+    }
+    float acc[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
       float acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[j]);
+      for (int q = 0; q < 4; ++q) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[j][q]);
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           float2 f = __bfloat1622float2(h[t]);
-          acc0 = fmaf(f.x, xr[j * 8 + 2 * t], acc0);
-          acc1 = fmaf(f.y, xr[j * 8 + 2 * t + 1], acc1);
+          acc0 = fmaf(f.x, xr[q * 8 + 2 * t], acc0);
+          acc1 = fmaf(f.y, xr[q * 8 + 2 * t + 1], acc1);
         }
       }
-      float acc = acc0 + acc1;
-      acc = warp_sum(acc);
-      int segs = s.K / kSeg;
-      if (lane == 0) parts[base + (i * s.rps + e0 / s.K) * segs + col0 / kSeg] = acc;
+      acc[j] = acc0 + acc1;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[j] = warp_sum(acc[j]);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const Slice& s = *jobs[j].s;
+      if (lane == 0 && on[j]) parts[jobs[j].base + (jobs[j].i * s.rps + s.rw) * s.segs + s.seg] = acc[j];
     }
     __syncwarp();
-    if (lane == 0) mbar_arrive(&ring.empty[slot]);
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) mbar_arrive(&ring.empty[slot[j]]);
+    }
+    st[12] += now<kTimed>() - t1;
+  }
+
+  // every stage of slice s (two at a time with Params::pair)
+  __device__ void slice_stages(const Slice& s, int base, const float (&xr)[32]) {
+    int i = 0;
+    if (p.pair)
+      for (; i + 1 < s.stages(); i += 2) stages<2>({Job{&s, i, base}, Job{&s, i + 1, base}}, xr);
+    for (; i < s.stages(); ++i) stages<1>({Job{&s, i, base}}, xr);
   }
 
   // the slice's rows, each the sum of its segments' partials (after the stages and a sync)
@@ -490,6 +589,19 @@ struct Consumer {
     const __nv_bfloat16* qkv = p.qkv;
     bool on = lo < hi;
     if (on) {
+      // q|k|v: every load issued before the first use (one round trip to L2 under the stream)
+      float qa[kRopeIt], qb[kRopeIt];
+#pragma unroll
+      for (int it = 0; it < kRopeIt; ++it) {
+        const int e = tid + it * kConsumers, g2 = e / HALF, d = e % HALF;
+        qa[it] = qb[it] = 0.f;
+        if (e < (G + 1) * HALF) {
+          const __nv_bfloat16* src = g2 < G ? qkv + (kvh * G + g2) * HD : qkv + (p.H + kvh) * HD;
+          qa[it] = __bfloat162float(__ldcg(src + d));
+          qb[it] = __bfloat162float(__ldcg(src + d + HALF));
+        }
+      }
+      const float vd = tid < HD ? __bfloat162float(__ldcg(qkv + (p.H + p.HKV + kvh) * HD + tid)) : 0.f;
       if (pre) consumers_sync();  // every thread's copies landed
       for (int d = tid; d < HD; d += kConsumers) {
         cs[d] = __bfloat162float(pre ? a.csb[d] : p.cos[pos * p.s_tab + d]);
@@ -497,10 +609,11 @@ struct Consumer {
       }
       consumers_sync();
       // q of the G heads and (in the split that holds it) the own key, rotated as the rotary kernel does
-      for (int e = tid; e < (G + 1) * HALF; e += kConsumers) {
-        int g2 = e / HALF, d = e % HALF;
-        const __nv_bfloat16* src = g2 < G ? qkv + (kvh * G + g2) * HD : qkv + (p.H + kvh) * HD;
-        float a = __bfloat162float(__ldcg(src + d)), b = __bfloat162float(__ldcg(src + d + HALF));
+#pragma unroll
+      for (int it = 0; it < kRopeIt; ++it) {
+        const int e = tid + it * kConsumers, g2 = e / HALF, d = e % HALF;
+        if (e >= (G + 1) * HALF) break;
+        const float a = qa[it], b = qb[it];
         float o1 = bf(bf(a * cs[d]) - bf(b * sn[d]));
         float o2 = bf(bf(b * cs[d + HALF]) + bf(a * sn[d + HALF]));
         if (g2 < G) {
@@ -511,7 +624,7 @@ struct Consumer {
           kn[d + HALF] = o2;
         }
       }
-      for (int d = tid; d < HD; d += kConsumers) vn[d] = __bfloat162float(__ldcg(qkv + (p.H + p.HKV + kvh) * HD + d));
+      if (tid < HD) vn[tid] = vd;
       consumers_sync();
       if (pos >= lo && pos < hi) {  // this split holds the step's own key: into the cache
         for (int d = tid; d < HD; d += kConsumers) {
@@ -608,16 +721,38 @@ struct Consumer {
     if (tid == 0) *flag = atom_acq_rel_add(p.cnt + p.L * kPhases + l * p.HKV + kvh, 1) == NS - 1;
     consumers_sync();
     if (!*flag) return;
-    for (int e = tid; e < G * HD; e += kConsumers) {
-      int gh = e / HD, d = e % HD;
-      int row0 = (kvh * G + gh) * NS;
+    // Every load of the merge issued at once (one round trip to L2, not two): the splits' (max,
+    // sum) pairs into shared memory (pb, G * kKeys >= G * kMaxSplits * 2 floats: the keys' p are
+    // used), the thread's partials into registers.
+    const int used = min(NS, (length + chunk - 1) / chunk);  // the splits with keys
+    float* mls = pb;
+    for (int e0 = 0; e0 < G * HD; e0 += kConsumers) {
+      const int e = e0 + tid, gh = e / HD, d = e % HD, row0 = (kvh * G + gh) * NS;
+      const bool mine = e < G * HD;
+      float part[kMaxSplits];
+#pragma unroll
+      for (int s2 = 0; s2 < kMaxSplits; ++s2)
+        part[s2] = mine && s2 < used ? __ldcg(p.part + (row0 + s2) * HD + d) : 0.f;
+      if (e0 == 0) {
+        if (tid < G * used) {
+          const int h2 = tid / used, s2 = tid % used, r = (kvh * G + h2) * NS + s2;
+          mls[(h2 * kMaxSplits + s2) * 2] = __ldcg(p.ml + r * 2);
+          mls[(h2 * kMaxSplits + s2) * 2 + 1] = __ldcg(p.ml + r * 2 + 1);
+        }
+        consumers_sync();
+      }
+      if (!mine) continue;
+      const float* mh = mls + gh * kMaxSplits * 2;
       float mx = -INFINITY;
-      for (int s2 = 0; s2 < NS && s2 * chunk < length; ++s2) mx = fmaxf(mx, __ldcg(p.ml + (row0 + s2) * 2));
+      for (int s2 = 0; s2 < used; ++s2) mx = fmaxf(mx, mh[s2 * 2]);
       float den = 0.f, num = 0.f;
-      for (int s2 = 0; s2 < NS && s2 * chunk < length; ++s2) {
-        float w = exp2f(__ldcg(p.ml + (row0 + s2) * 2) - mx);
-        den = fmaf(__ldcg(p.ml + (row0 + s2) * 2 + 1), w, den);
-        num = fmaf(__ldcg(p.part + (row0 + s2) * HD + d), w, num);
+#pragma unroll
+      for (int s2 = 0; s2 < kMaxSplits; ++s2) {
+        if (s2 < used) {
+          float w = exp2f(mh[s2 * 2] - mx);
+          den = fmaf(mh[s2 * 2 + 1], w, den);
+          num = fmaf(part[s2], w, num);
+        }
       }
       p.attn[(kvh * G + gh) * HD + d] = __float2bfloat16(num / (den > 0.f ? den : 1.f));
     }
@@ -643,9 +778,12 @@ struct Consumer {
     for (int l = 0; l < p.L; ++l) {
       Slice s[5];
       layer_slices(p, l, pid, P, s);
+#pragma unroll
+      for (int k = 0; k < 5; ++k) seat(s[k]);
       const __nv_bfloat16* src = l == 0 ? p.x : p.res;
       const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
-      if (pid < nitem && p.mode < 2) att_prefetch(att_setup(l, pid));
+      const bool attends = pid < nitem && p.mode < 2;  // (probe modes 2 and 3 skip the attention)
+      if (attends) att_prefetch(att_setup(l, pid));
       // Q
       float xr[32], wr[32];
       load_x(nw, p.DIM, wr);  // (no earlier kernel or phase writes the weights: before the wait)
@@ -653,16 +791,17 @@ struct Consumer {
       long long tn = now<kTimed>();
       norm_x(src, wr, p.DIM, xr);
       st[10] += now<kTimed>() - tn;
-      for (int i = 0; i < s[0].stages(); ++i) stage(s[0], i, 0, xr);
+      slice_stages(s[0], 0, xr);
+      long long te = now<kTimed>();
       consumers_sync();
       for (int r = tid; r < s[0].n; r += kConsumers) p.qkv[s[0].row0 + r] = __float2bfloat16(row_sum(s[0], 0, r));
       signal(cnt + l * kPhases + 0);
+      st[13] += now<kTimed>() - te;
       // A
-      if (pid < nitem) {
+      if (attends) {
         wait_count(cnt + l * kPhases + 0, P, 1);
         long long t0 = now<kTimed>();
-        if (p.mode < 2)
-          for (int item = pid; item < nitem; item += P) attention(l, item, item == pid);
+        for (int item = pid; item < nitem; item += P) attention(l, item, item == pid);
         st[8] += now<kTimed>() - t0;
       }
       // O
@@ -670,7 +809,8 @@ struct Consumer {
       tn = now<kTimed>();
       load_x(p.attn, hhd, xr);
       st[10] += now<kTimed>() - tn;
-      for (int i = 0; i < s[1].stages(); ++i) stage(s[1], i, 0, xr);
+      slice_stages(s[1], 0, xr);
+      te = now<kTimed>();
       consumers_sync();
       if (tid < s[1].n) {  // the o and down rows are the same rows: thread r keeps row r's residual
         float base = l == 0 ? __bfloat162float(p.x[s[1].row0 + tid]) : resid;
@@ -679,6 +819,7 @@ struct Consumer {
         resid = __bfloat162float(y);
       }
       signal(cnt + l * kPhases + 2);
+      st[13] += now<kTimed>() - te;
       // G
       load_x(nw + p.DIM, p.DIM, wr);
       wait_count(cnt + l * kPhases + 2, P, 3);
@@ -687,9 +828,14 @@ struct Consumer {
       st[10] += now<kTimed>() - tn;
       const int up = s[2].n * (p.DIM / kSeg);
       for (int i = 0; i < s[2].stages(); ++i) {
-        stage(s[2], i, 0, xr);
-        stage(s[3], i, up, xr);
+        if (p.pair) {
+          stages<2>({Job{&s[2], i, 0}, Job{&s[3], i, up}}, xr);
+        } else {
+          stages<1>({Job{&s[2], i, 0}}, xr);
+          stages<1>({Job{&s[3], i, up}}, xr);
+        }
       }
+      te = now<kTimed>();
       consumers_sync();
       for (int r = tid; r < s[2].n; r += kConsumers) {
         float gv = bf(row_sum(s[2], 0, r));
@@ -697,13 +843,15 @@ struct Consumer {
         p.act[s[2].row0 + r] = __float2bfloat16(sv * bf(row_sum(s[3], up, r)));
       }
       signal(cnt + l * kPhases + 3);
+      st[13] += now<kTimed>() - te;
       // D
       wait_count(cnt + l * kPhases + 3, P, 4);
       if (l == p.L - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       tn = now<kTimed>();
       load_x(p.act, p.I, xr);
       st[10] += now<kTimed>() - tn;
-      for (int i = 0; i < s[4].stages(); ++i) stage(s[4], i, 0, xr);
+      slice_stages(s[4], 0, xr);
+      te = now<kTimed>();
       consumers_sync();
       if (tid < s[4].n) {
         __nv_bfloat16 y = __float2bfloat16(bf(row_sum(s[4], 0, tid)) + resid);
@@ -711,6 +859,7 @@ struct Consumer {
         resid = __bfloat162float(y);
       }
       signal(cnt + l * kPhases + 4);
+      st[13] += now<kTimed>() - te;
     }
     if (pid == 0) {  // the final norm; then every SM is past its last wait: reset the counters
       wait_count(cnt + (p.L - 1) * kPhases + 4, P, 0);
@@ -767,7 +916,7 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0), f: eps and qk_scale, n:
-// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance). Returns a
+// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, prefetch, pair). Returns a
 // cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
@@ -812,6 +961,8 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.mode = n[9];
   p.inflight = n[10];
   p.balance = n[11];
+  p.prefetch = n[12];
+  p.pair = n[13];
   static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
   const bool timed = p.stats != nullptr;
   cudaError_t e;

@@ -139,11 +139,11 @@ def _prefilled(model: Transformer, prompt: int, slot: int, x: torch.Tensor | Non
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg, prompt", [(CFG, 0), (CFG, 1), (CFG, 31), (CFG, 32), (CFG, 70), (CFG, 190),
                                          (DEPTH, 0), (DEPTH, 5), (DEPTH, 40)])
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])
 def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: int, splits: int | None) -> None:
     """One step at several cache lengths (empty, one key, a 32-key block's edge, several blocks,
-    near the end) and split counts, for a Llama layout and the CSM depth decoder's (head dim 128;
-    not yet run on a GPU), against the same step in float32: the output and the step's
+    near the end) and split counts (16: more splits than keys in most), for a Llama layout and
+    the CSM depth decoder's (head dim 128), against the same step in float32: the output and the step's
     K/V rows are as close to it as the bf16 layer-by-layer kernels' are (other summation orders,
     same roundings), the other cache rows are untouched, and no counter timed out."""
     if not dsc.available():
@@ -180,10 +180,13 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("balance", [0, 80, 300])
-@pytest.mark.parametrize("inflight", [1, 2, 0])
-def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(balance: int, inflight: int) -> None:
-    """Which SM computes a row, and how many weight copies fly at once, change nothing in a row's
+@pytest.mark.parametrize("settings", [
+    dict(balance=0, inflight=1), dict(balance=80), dict(balance=300, inflight=0), dict(inflight=1),
+    dict(inflight=0), dict(pair=False), dict(pair=True, inflight=1), dict(prefetch=8),
+    dict(prefetch=2, pair=False, balance=80, inflight=0)], ids=repr)
+def test_row_balance_copies_in_flight_pairs_and_prefetch_keep_the_step_bit_for_bit(settings: dict) -> None:
+    """Which SM computes a row, how many weight copies fly at once, whether the consumers take
+    stages two at a time and how far ahead L2 is asked for weights change nothing in a row's
     arithmetic: the step equals the default's bit for bit (output and caches)."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
@@ -197,8 +200,7 @@ def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(balance: int
     wk, wv = cache.k.clone(), cache.v.clone()
     cache.k.copy_(k0)
     cache.v.copy_(v0)
-    got = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, balance=balance,
-                                inflight=inflight)
+    got = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, **settings)
     torch.cuda.synchronize()
     assert dsc.errors(model.stack) == 0
     assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
