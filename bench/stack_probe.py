@@ -226,9 +226,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         ref = model._decode(step_x[:, None], pos, cache, slots)[:, 0].float()
     rk, rv = cache.k[:, :, :, p0].float(), cache.v[:, :, :, p0].float()
     model.stack = saved
-    variants = [dict(), dict(pair=False), dict(prefetch=4), dict(prefetch=8), dict(prefetch=16), dict(inflight=3),
-                dict(inflight=3, prefetch=8), dict(inflight=1, prefetch=8), dict(balance=40), dict(splits=4),
-                dict(splits=4, prefetch=8)]
+    variants = [dict(), dict(inflight=1), dict(inflight=3), dict(balance=40), dict(balance=80), dict(splits=4),
+                dict(splits=16)]
     for kw in variants:
         ns, stages = kw.get("splits"), kw.get("stages")
 
@@ -237,9 +236,7 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         fl = kw.get("inflight", dsc.INFLIGHT)
         name = (f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}"
                 + (f", {stages} stages" if stages else "") + f", {fl or 'all'} in flight"
-                + (f", balance {kw['balance']}" if "balance" in kw else "")
-                + (f", L2 prefetch {kw['prefetch']} ahead" if kw.get("prefetch") else "")
-                + (", stages one at a time" if kw.get("pair") is False else ""))
+                + (f", balance {kw['balance']}" if "balance" in kw else ""))
         try:
             cache.k.copy_(k0)
             cache.v.copy_(v0)
@@ -259,9 +256,7 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     # (mode 3: no waits and no attention, so mode 1 - mode 3 is what the attention's own work costs
     # and mode 3 - mode 2 what the stages' arithmetic and the phases' local work cost)
     for mode, kw, name in ((1, {}, "CUDA stack, no counter waits (probe mode 1)"),
-                           (1, dict(prefetch=8), "CUDA stack, no counter waits, L2 prefetch 8 ahead"),
                            (3, {}, "CUDA stack, no counter waits, no attention (probe mode 3)"),
-                           (3, dict(pair=False), "CUDA stack, no counter waits, no attention, stages one at a time"),
                            (2, {}, "CUDA stack, weights streamed only (probe mode 2)"),
                            (2, dict(inflight=0), "CUDA stack, weights streamed only, all in flight")):
         row(name, lambda mode=mode, kw=kw: dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin,

@@ -39,8 +39,6 @@ _KEYS = 32  # keys an attention block (kKeys)
 _SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, dividing a stage
 # Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
-PAIR = True  # the consumers multiply two stages at a time (see stages<N> in the .cu)
-PREFETCH = 0  # stages ahead the producer also asks L2 for (0: none)
 MAX_SPLITS = 16  # kMaxSplits
 STATS = 16  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
@@ -192,16 +190,13 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
 def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,  # noqa: ANN001
                       cos: Tensor, sin: Tensor, programs: int | None = None, splits: int | None = None,
                       stages: int | None = None, pdl: bool = True, stats: Tensor | None = None,
-                      mode: int = 0, inflight: int | None = None, balance: int = -1,
-                      prefetch: int | None = None, pair: bool | None = None) -> Tensor:
+                      mode: int = 0, inflight: int | None = None, balance: int = -1) -> Tensor:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
     ``inflight`` caps the weight copies in flight an SM (default ``INFLIGHT``; 0: the whole ring).
     ``balance`` >= 0 splits every GEMV's rows by weight, that many per mille fewer for the SMs that
-    also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed). ``prefetch`` > 0
-    has the producer also ask L2 for the stage that many ahead (default ``PREFETCH``); ``pair``
-    multiplies two stages at a time (default ``PAIR``). None of these three changes a result.
+    also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed).
 
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
     ``STAT_NAMES``); ``mode`` 1 skips the counter waits, 2 also the arithmetic (the weights
@@ -248,10 +243,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
     fl = INFLIGHT if inflight is None else inflight
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
-    ahead = PREFETCH if prefetch is None else prefetch
-    check(0 <= ahead <= 64, f"prefetch is 0..64 stages, got {ahead}")
-    n = (ctypes.c_int * 14)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
-                            ahead, int(PAIR if pair is None else pair))
+    n = (ctypes.c_int * 12)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

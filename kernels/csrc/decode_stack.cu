@@ -84,8 +84,6 @@ struct Params {
                      // 3 no counter waits and no attention
   int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
   int balance;       // < 0: cdiv(N, P) rows an SM; else per mille fewer rows for the SMs that attend
-  int prefetch;      // > 0: the producer also asks L2 for the stage this many ahead of each copy
-  int pair;          // 1: the consumers multiply two stages at a time (two reductions in flight)
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
@@ -128,10 +126,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -291,10 +285,9 @@ __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
   uint32_t g = 0;
   RingPos at, back;  // the stage to fill; the stage `inflight` copies back
   long long t_start = now<kTimed>(), waited = 0;
-  Walk walk(p, pid, P), ahead(p, pid, P);
+  Walk walk(p, pid, P);
   const __nv_bfloat16* src;
   uint32_t bytes;
-  for (int i = 0; i < p.prefetch && ahead.next(src, bytes); ++i) prefetch_l2(src, bytes);
   while (walk.next(src, bytes)) {
     long long t0 = now<kTimed>();
     if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
@@ -311,11 +304,6 @@ __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
     bulk_copy(ring.buf + (size_t)at.slot * kStageElems, src, bytes, &ring.full[at.slot]);
     at.advance(ring.n);
     ++g;
-    // L2 holds the stage `prefetch` ahead by the time its copy is issued: the HBM keeps
-    // streaming while the ring is full of landed stages that stalled consumers have not used
-    const __nv_bfloat16* psrc;
-    uint32_t pbytes;
-    if (p.prefetch > 0 && ahead.next(psrc, pbytes)) prefetch_l2(psrc, pbytes);
   }
   if (kTimed) {
     p.stats[pid * kStats + 0] = waited;
@@ -421,52 +409,26 @@ struct Consumer {
     s.segs = s.K / kSeg;
   }
 
-  struct Job {
-    const Slice* s;
-    int i, base;  // stage i of slice s; its partials from parts[base]
-  };
-
-  // Multiply N stages (in the producer's order) by the warp's x piece; each warp's partial goes to
-  // parts[base + row * segs + seg]. N = 2 keeps two loads and two reductions in flight: one stage's
-  // chain (bytes -> shared-memory loads -> 16 FMAs -> 5 shuffles) is latency, not issue, bound.
-  template <int N>
-  __device__ void stages(const Job (&jobs)[N], const float (&xr)[32]) {
-    int slot[N];
+  // Multiply stage i of slice s by the warp's x piece; the warp's partial goes to
+  // parts[base + row * segs + seg]. (Two stages at a time, two reductions in flight, was slower:
+  // 934 against 878 us a 1B step on the H100, the consumers holding two slots.)
+  __device__ void stage(const Slice& s, int i, int base, const float (&xr)[32]) {
+    const int slot = at.slot;
     long long t0 = now<kTimed>();
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      slot[j] = at.slot;
-      mbar_wait(&ring.full[at.slot], at.par);
-      at.advance(ring.n);
-    }
+    mbar_wait(&ring.full[at.slot], at.par);
+    at.advance(ring.n);
     long long t1 = now<kTimed>();
     st[2] += t1 - t0;
-    st[11] += N;
-    if (p.mode == 2) {  // probe: the weights stream, nothing multiplies them
-      __syncwarp();
-      if (lane == 0) {
+    st[11] += 1;
+    if (s.rw < s.rows(i) && p.mode != 2) {  // (probe mode 2: the weights stream, nothing multiplies them)
+      const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + warp * kSeg;
+      uint4 u[4];
 #pragma unroll
-        for (int j = 0; j < N; ++j) mbar_arrive(&ring.empty[slot[j]]);
-      }
-      return;
-    }
-    uint4 u[N][4];
-    bool on[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      on[j] = jobs[j].s->rw < jobs[j].s->rows(jobs[j].i);
-      const __nv_bfloat16* wst = ring.buf + (size_t)slot[j] * kStageElems + warp * kSeg;
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        u[j][q] = on[j] ? *reinterpret_cast<const uint4*>(wst + q * 256 + lane * 8) : make_uint4(0, 0, 0, 0);
-    }
-    float acc[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
+      for (int q = 0; q < 4; ++q) u[q] = *reinterpret_cast<const uint4*>(wst + q * 256 + lane * 8);
       float acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[j][q]);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[q]);
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           float2 f = __bfloat1622float2(h[t]);
@@ -474,29 +436,16 @@ struct Consumer {
           acc1 = fmaf(f.y, xr[q * 8 + 2 * t + 1], acc1);
         }
       }
-      acc[j] = acc0 + acc1;
-    }
-#pragma unroll
-    for (int j = 0; j < N; ++j) acc[j] = warp_sum(acc[j]);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const Slice& s = *jobs[j].s;
-      if (lane == 0 && on[j]) parts[jobs[j].base + (jobs[j].i * s.rps + s.rw) * s.segs + s.seg] = acc[j];
+      const float acc = warp_sum(acc0 + acc1);
+      if (lane == 0) parts[base + (i * s.rps + s.rw) * s.segs + s.seg] = acc;
     }
     __syncwarp();
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) mbar_arrive(&ring.empty[slot[j]]);
-    }
+    if (lane == 0) mbar_arrive(&ring.empty[slot]);
     st[12] += now<kTimed>() - t1;
   }
 
-  // every stage of slice s (two at a time with Params::pair)
   __device__ void slice_stages(const Slice& s, int base, const float (&xr)[32]) {
-    int i = 0;
-    if (p.pair)
-      for (; i + 1 < s.stages(); i += 2) stages<2>({Job{&s, i, base}, Job{&s, i + 1, base}}, xr);
-    for (; i < s.stages(); ++i) stages<1>({Job{&s, i, base}}, xr);
+    for (int i = 0; i < s.stages(); ++i) stage(s, i, base, xr);
   }
 
   // the slice's rows, each the sum of its segments' partials (after the stages and a sync)
@@ -828,12 +777,8 @@ struct Consumer {
       st[10] += now<kTimed>() - tn;
       const int up = s[2].n * (p.DIM / kSeg);
       for (int i = 0; i < s[2].stages(); ++i) {
-        if (p.pair) {
-          stages<2>({Job{&s[2], i, 0}, Job{&s[3], i, up}}, xr);
-        } else {
-          stages<1>({Job{&s[2], i, 0}}, xr);
-          stages<1>({Job{&s[3], i, up}}, xr);
-        }
+        stage(s[2], i, 0, xr);
+        stage(s[3], i, up, xr);
       }
       te = now<kTimed>();
       consumers_sync();
@@ -916,7 +861,7 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0), f: eps and qk_scale, n:
-// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, prefetch, pair). Returns a
+// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance). Returns a
 // cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
@@ -961,8 +906,6 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.mode = n[9];
   p.inflight = n[10];
   p.balance = n[11];
-  p.prefetch = n[12];
-  p.pair = n[13];
   static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
   const bool timed = p.stats != nullptr;
   cudaError_t e;
