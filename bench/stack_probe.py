@@ -246,7 +246,7 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
             relk = float((cache.k[:, :, :, p0].float() - rk).norm() / rk.norm())
             relv = float((cache.v[:, :, :, p0].float() - rv).norm() / rv.norm())
             log(f"  {name}: vs the layer path: out {rel:.2e}, k {relk:.2e}, v {relv:.2e} (relative); "
-                f"counter timeouts {dsc.errors(w)}")
+                f"poll timeouts {dsc.errors(w)}")
         except Exception as exc:  # a failing build or launch must not lose the other rows
             log(f"  {name}: failed: {exc!r}"[:400])
             continue
@@ -255,8 +255,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     # its waits (mode 1) and without its arithmetic too (mode 2: how fast the weights stream alone)
     # (mode 3: no waits and no attention, so mode 1 - mode 3 is what the attention's own work costs
     # and mode 3 - mode 2 what the stages' arithmetic and the phases' local work cost)
-    for mode, kw, name in ((1, {}, "CUDA stack, no counter waits (probe mode 1)"),
-                           (3, {}, "CUDA stack, no counter waits, no attention (probe mode 3)"),
+    for mode, kw, name in ((1, {}, "CUDA stack, no polls (probe mode 1)"),
+                           (3, {}, "CUDA stack, no polls, no attention (probe mode 3)"),
                            (2, {}, "CUDA stack, weights streamed only (probe mode 2)"),
                            (2, dict(inflight=0), "CUDA stack, weights streamed only, all in flight")):
         row(name, lambda mode=mode, kw=kw: dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin,

@@ -3,8 +3,9 @@
 Same step and arguments as ``decode_stack.decode_stack`` (Triton) for one row: x [1, DIM] ->
 the final-norm output, the step's K/V written into the caches. The CUDA kernel keeps a ring of
 16 KB shared-memory stages per SM that a producer warp fills with bulk copies of the SM's
-weight rows, layer after layer, independent of the activations; the consumer warps wait on
-per-(layer, phase) counters instead of grid barriers. See the .cu file's header.
+weight rows, layer after layer, independent of the activations; the consumer warps poll the rows
+the other SMs hand over (LL words: data and flag in one 8-byte store) instead of grid barriers.
+See the .cu file's header.
 
 The kernel is built with nvcc on first use (a few seconds) into a cache folder
 (``$REALTIME_CACHE`` or ``~/.cache/realtime``) keyed by the source's hash and the GPU's
@@ -34,16 +35,15 @@ __all__ = ["available", "takes", "decode_stack_cuda", "errors", "default_splits"
            "STATS", "STAT_NAMES"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
-_PHASES = 5
 _KEYS = 32  # keys an attention block (kKeys)
 _SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, dividing a stage
 # Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
-MAX_SPLITS = 16  # kMaxSplits
+MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 STATS = 16  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
-              "wait before q|k|v (previous down)", "wait before the attention (q|k|v)", "wait before o (the heads)",
-              "wait before gate|up (o)", "wait before down (gate|up)", "attention", "consumers total",
+              "polls for the residual (q|k|v)", "polls for q|k|v (the attention)", "polls for the heads (o)",
+              "polls for the residual (gate|up)", "polls for the activation (down)", "attention", "consumers total",
               "row loads and norms", "stages", "stage arithmetic", "phase ends")
 
 
@@ -109,25 +109,28 @@ def build(arch: str = "90") -> ctypes.CDLL:
 
 def default_splits(n_kv_heads: int, tmax: int, programs: int) -> int:
     """Key splits an attention (kv head): ~32 keys a split at the longest cache, each split its own
-    SM, at most 16 (each split's partial is merged by the last one to finish)."""
-    return max(1, min(16, programs // n_kv_heads, math.ceil(tmax / _KEYS)))
+    SM, at most ``MAX_SPLITS`` (split 0 merges the others' partials)."""
+    return max(1, min(MAX_SPLITS, programs // n_kv_heads, math.ceil(tmax / _KEYS)))
 
 
 class _Scratch:
+    """The step's hand-over buffers, as LL words (int64: {data, flag}; see the .cu): the residual
+    after o and after down, q|k|v, the heads and the activation as bf16 pairs, the attention's
+    partials as floats; and the control words (epoch, SMs done, the sticky error flag)."""
+
     def __init__(self, w, ns: int, dev: torch.device) -> None:  # noqa: ANN001
         nl, nqkv, dim = w.qkv.shape
         h, hkv = w.n_heads, w.n_kv_heads
         hd = nqkv // (h + 2 * hkv)
         inter = w.down.shape[2]
-        dt = w.qkv.dtype
-        self.res = torch.empty(dim, device=dev, dtype=dt)
-        self.qkv = torch.empty(nqkv, device=dev, dtype=dt)
-        self.attn = torch.empty(h * hd, device=dev, dtype=dt)
-        self.part = torch.empty(h * ns * hd, device=dev, dtype=torch.float32)
-        self.ml = torch.empty(h * ns * 2, device=dev, dtype=torch.float32)
-        self.act = torch.empty(inter, device=dev, dtype=dt)
-        # counters (reset by the kernel at the end of each step) and, last, the sticky error flag
-        self.cnt = torch.zeros(nl * (_PHASES + hkv) + 1, device=dev, dtype=torch.int32)
+        words = dict(dtype=torch.int64, device=dev)
+        self.reso = torch.zeros(dim // 2, **words)
+        self.qkv = torch.zeros(nqkv // 2, **words)
+        self.attn = torch.zeros(h * hd // 2, **words)
+        self.part = torch.zeros(h * ns * (hd + 2), **words)
+        self.resd = torch.zeros(dim // 2, **words)
+        self.act = torch.zeros(inter // 2, **words)
+        self.ctl = torch.zeros(3, device=dev, dtype=torch.int32)
 
 
 def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int | None,  # noqa: ANN001
@@ -144,12 +147,14 @@ def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int
 
 
 def row_start(n: int, pid: int, programs: int, items: int, balance: int) -> int:
-    """The kernel's first row of ``n`` for SM ``pid`` (row_start in the .cu): ``ceil(n / programs)``
-    rows an SM for balance < 0, else shares of 1000 an SM less ``balance`` for the SMs < items."""
+    """The kernel's first row of ``n`` (even) for SM ``pid`` (slice() in the .cu): ``ceil(n / programs)``
+    rows an SM, rounded up to even, for balance < 0, else shares of 1000 an SM less ``balance``
+    for the SMs < items, each start rounded down to even (the rows go out two to an LL word)."""
     if balance < 0:
-        return min(n, pid * -(-n // programs))
+        r = -(-n // programs)
+        return min(n, pid * (r + r % 2))
     total = 1000 * programs - balance * min(items, programs)
-    return n * (1000 * pid - balance * min(pid, items)) // total
+    return n * (1000 * pid - balance * min(pid, items)) // total & ~1
 
 
 @functools.cache
@@ -175,6 +180,7 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
     on the widths and settings: done once for each combination, not on every step."""
     dll = build()
     check(1 <= ns <= MAX_SPLITS, f"splits must be in [1, {MAX_SPLITS}], got {ns}")
+    check(hkv * ns <= p, f"{hkv} kv heads x {ns} splits: more attention items than programs ({p})")
     check(-1 <= balance <= 500, f"balance is -1 or 0..500 per mille, got {balance}")
     check(p <= _sms(device), "at most one program an SM (every program must be resident)")
     n_stages, smem = _smem_plan(dll, dim, h * hd, inter, h // hkv, hd, stages, device)
@@ -182,7 +188,7 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
     parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
                 most(dim) * (h * hd // _SEG))
     check(parts <= dll.realtime_stack_max_parts(), f"{p} programs leave too many rows an SM ({parts} partial sums)")
-    check(most(dim) <= 256, f"{p} programs leave over 256 residual rows an SM (one a consumer thread)")
+    check(most(dim) <= 512, f"{p} programs leave over 512 residual rows an SM (two a consumer thread)")
     check(dll.realtime_stack_blocks_per_sm(smem) >= 1, "the kernel's shared memory does not fit an SM")
     return n_stages, smem
 
@@ -199,9 +205,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed).
 
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
-    ``STAT_NAMES``); ``mode`` 1 skips the counter waits, 2 also the arithmetic (the weights
-    still stream), 3 the waits and the attention: the step's results are then wrong, and the
-    caches must be restored."""
+    ``STAT_NAMES``); ``mode`` 1 reads the rows other SMs hand over once, without polling for
+    them, 2 also skips the arithmetic (the weights still stream), 3 skips the polls and the
+    attention: the step's results are then wrong, and the caches must be restored."""
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
     h, hkv = w.n_heads, w.n_kv_heads
@@ -232,7 +238,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     if sc is None:  # allocated once, before any CUDA-graph capture (the capture warm-up runs the step)
         sc = w.scratch[key] = _Scratch(w, ns, x.device)
     out = torch.empty_like(x)
-    ptrs = [x, out, sc.res, sc.qkv, sc.attn, sc.part, sc.ml, sc.act, sc.cnt, w.qkv, w.o, w.gate_up, w.down, w.norms,
+    ptrs = [x, out, sc.reso, sc.qkv, sc.attn, sc.part, sc.resd, sc.act, sc.ctl, w.qkv, w.o, w.gate_up, w.down, w.norms,
             w.final, k_cache, v_cache, cos, sin, pos, slots]
     if stats is not None:
         check(stats.is_cuda and stats.dtype == torch.int64 and stats.shape == (p, STATS) and stats.is_contiguous(),
@@ -247,11 +253,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")
-    if mode:  # the probe modes leave the counters wherever the racing SMs left them
-        sc.cnt[:-1].zero_()
     return out
 
 
 def errors(w) -> int:  # noqa: ANN001
-    """How many of this stack's CUDA launches hit a counter's poll limit (a bug); a device sync."""
-    return sum(int(sc.cnt[-1]) for k, sc in w.scratch.items() if isinstance(k, tuple) and k and k[0] == "cuda")
+    """Whether any of this stack's CUDA launches hit a poll limit (a bug: 1 a scratch); a device sync."""
+    return sum(int(sc.ctl[2]) for k, sc in w.scratch.items() if isinstance(k, tuple) and k and k[0] == "cuda")

@@ -10,22 +10,24 @@
 //     for a free stage and keeps at most `inflight` copies outstanding (the other stages hold
 //     received bytes), never for activations: while the consumers wait for the other SMs (a
 //     phase boundary, the attention), the SM's share of the HBM keeps streaming.
-//   * The phases wait on counters, one per (layer, phase), that only the SMs whose results a
-//     phase needs have to reach; the attention waits for q|k|v, the o rows for the 8 merged
-//     heads, and so on. The counters reset themselves at the end of the step.
+//   * The phases hand their rows over as LL words (see Params): a consumer polls the rows it
+//     needs, not a counter and then the rows, so a hand-over costs one round trip to L2, not two.
+//     The attention polls only its kv head's q|k|v rows, split 0 of a kv head polls the other
+//     splits' partials, the o rows poll the heads, and so on. There are no counters to reset.
 //
 // Per layer, for every SM (P of them, one block each, all resident):
 //   Q  input RMSNorm of the residual (each warp normalises its 1024 columns in registers, the
-//      row's sum of squares through shared memory), then its rows of q|k|v
-//                                                               -> qkv scratch; counter Q += 1
+//      row's sum of squares through shared memory), then its rows of q|k|v       -> qkv (LL)
 //   A  (SMs < HKV * NS) one attention item (kv head, split): its first block of cached keys and
 //      values copied ahead at the layer's start; RoPE, the own key and value written into the
-//      cache, online softmax over the split's keys; the last split of a kv head to finish
-//      merges the partials                                      -> attn; counter A += 1 a kv head
-//   O  its rows of o + the residual                             -> res;  counter O += 1
-//   G  post-attention RMSNorm, its rows of gate and up, SwiGLU  -> act;  counter G += 1
-//   D  its rows of down + the residual                          -> res;  counter D += 1
-// then SM 0 writes the final RMSNorm.
+//      cache, online softmax over the split's keys -> its partial (LL); split 0 merges them
+//                                                                                -> attn (LL)
+//   O  its rows of o + the residual                                              -> reso (LL)
+//   G  post-attention RMSNorm, its rows of gate and up, SwiGLU                   -> act (LL)
+//   D  its rows of down + the residual                                           -> resd (LL)
+// then SM 0 writes the final RMSNorm. An SM with no rows of a phase reads nothing for it: its
+// rows' readers are what keeps a buffer from being overwritten before every reader has it
+// (a buffer's next write depends on every reader of this one, through the phases after it).
 //
 // Numerics are the layer-by-layer kernels' roundings (as in decode_stack.py): float32 sums,
 // products rounded to bf16 before the residual add, the residual rounded, RMSNorm's
@@ -48,22 +50,27 @@ constexpr int kStageBytes = 16384;
 constexpr int kStageElems = kStageBytes / 2;
 constexpr int kSeg = kStageElems / kConsumerWarps;  // elements a warp multiplies a stage (1024)
 constexpr int kKeys = 32;                            // keys an attention block
-constexpr int kPhases = 5;
 constexpr int kMaxParts = 1024;                      // float partial sums a phase (checked by the launcher)
-constexpr int kMaxSplits = 16;                       // key splits a kv head (checked by the launcher)
+constexpr int kMaxSplits = 12;  // key splits a kv head (checked by the launcher; the merge's loads in registers)
 constexpr int kRopeIt = 3;  // rotated (head, pair) items a thread: (G + 1) * HD / 2 <= 9 * 64 over kConsumers
-constexpr unsigned kSpinLimit = 1u << 22;  // polls (~3 s) before a wait gives up: a bug, flagged
+constexpr unsigned kSpinLimit = 1u << 20;  // polls (~1 s) before a wait gives up: a bug, flagged
 
+// The phases hand their rows to the SMs that need them as LL words (NCCL's low-latency protocol):
+// 8 bytes {data, flag}, written by one 8-byte store, so a reader that sees the flag it expects has
+// the data with it. A reader polls the words themselves: one round trip to L2 from the moment the
+// data lands, where a counter costs two (the counter, then the data). The flag is the step's
+// epoch * L + layer + 1: each buffer is written once a layer, so a stale word never matches.
+// data: two bf16 (the row pair 2w, 2w + 1), or one float (the attention's partials).
 struct Params {
   const __nv_bfloat16* x;  // [DIM] the step's input row
   __nv_bfloat16* out;      // [DIM] final-norm output
-  __nv_bfloat16* res;      // [DIM] residual scratch
-  __nv_bfloat16* qkv;      // [NQKV]
-  __nv_bfloat16* attn;     // [H HD]
-  float* part;             // [H, NS, HD]
-  float* ml;               // [H, NS, 2]
-  __nv_bfloat16* act;      // [I]
-  int* cnt;                // [L * kPhases + L * HKV] counters (zero between steps), then [1] the error flag
+  uint2* reso;             // [DIM / 2] LL: the residual after o
+  uint2* qkv;              // [NQKV / 2] LL
+  uint2* attn;             // [H HD / 2] LL
+  uint2* part;             // [H, NS, HD + 2] LL floats: a split's partial output, then its max and sum
+  uint2* resd;             // [DIM / 2] LL: the residual after down
+  uint2* act;              // [I / 2] LL
+  int* ctl;                // [0] the step's epoch, [1] SMs done with the step, [2] the error flag
   const __nv_bfloat16* wqkv;  // [L, NQKV, DIM]
   const __nv_bfloat16* wo;    // [L, DIM, H HD]
   const __nv_bfloat16* wgu;   // [L, 2 I, DIM]: gate rows, then up rows
@@ -80,20 +87,20 @@ struct Params {
   int64_t sk_l, sk_s, sk_h, sk_t, s_tab;
   int L, DIM, H, HKV, HD, I, TMAX, NS, nstages;
   long long* stats;  // [P, kStats] SM-cycle counts (a probe's diagnosis), or null
-  int mode;          // 0: the step; probes (wrong results): 1 no counter waits, 2 also no arithmetic,
-                     // 3 no counter waits and no attention
+  int mode;          // 0: the step; probes (wrong results): 1 no polls (the rows read once), 2 also
+                     // no arithmetic, 3 no polls and no attention
   int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
   int balance;       // < 0: cdiv(N, P) rows an SM; else per mille fewer rows for the SMs that attend
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
-// cycles the consumers waited for a stage's bytes, waited at the counters before Q (the previous
+// cycles the consumers waited for a stage's bytes, polled for the rows before Q (the previous
 // layer's down), A (q|k|v), O (the heads), G (o), D (gate|up), in the attention, total, in the
 // row loads and norms, stages consumed, in the stages' arithmetic (bytes landed to stage freed),
 // in the phase ends (the warps' last stages, row sums, stores, signals)
 constexpr int kStats = 16;
 
-// ---- PTX helpers: mbarriers, bulk copies, acquire/release counters
+// ---- PTX helpers: mbarriers, bulk copies, LL words
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -136,15 +143,34 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+// LL words: one 8-byte store; loads of one word or two (each 8-byte half is single-copy atomic)
+__device__ __forceinline__ void st_ll(uint2* p, uint32_t data, uint32_t flag) {
+  asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
+}
+
+__device__ __forceinline__ uint2 ld_ll(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
   return v;
 }
 
-__device__ __forceinline__ void red_release_add(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ uint4 ld_ll2(const uint2* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
 }
+
+__device__ __forceinline__ uint32_t pack_bf2(float a, float b) {  // a at the lower address
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float bf_at(uint32_t w, int half) { return half ? bf_hi(w) : bf_lo(w); }
 
 __device__ __forceinline__ int atom_acq_rel_add(int* p, int v) {
   int old;
@@ -200,25 +226,34 @@ __device__ __forceinline__ int64_t row_start(int N, int pid, int P, int nitem, i
 __device__ __forceinline__ Slice slice(const __nv_bfloat16* w, int N, int K, int pid, int P, int nitem, int balance) {
   if (balance < 0) {
     int r = (N + P - 1) / P;
-    int row0 = pid * r;
+    r += r & 1;  // (rows go out in LL words of two: every SM's rows start even)
+    int row0 = min(N, pid * r);
     int n = max(0, min(r, N - row0));
     return Slice{w, row0, n, K, kStageElems / K};
   }
-  int row0 = (int)row_start(N, pid, P, nitem, balance);
-  int n = (int)row_start(N, pid + 1, P, nitem, balance) - row0;
+  int row0 = (int)(row_start(N, pid, P, nitem, balance) & ~1LL);
+  int n = (int)(row_start(N, pid + 1, P, nitem, balance) & ~1LL) - row0;
   return Slice{w, row0, n, K, kStageElems / K};
 }
 
 // The SM's slices of layer l: 0 q|k|v, 1 o, 2 gate, 3 up (gate and up stages alternate), 4 down.
-__device__ __forceinline__ void layer_slices(const Params& p, int l, int pid, int P, Slice* s) {
-  int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
+// The SM's slice k of layer l: 0 q|k|v, 1 o, 2 gate, 3 up (gate and up stages alternate), 4 down.
+__device__ __forceinline__ Slice layer_slice(const Params& p, int l, int k, int pid, int P) {
+  const int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
   const int ni = p.HKV * p.NS, b = p.balance;
-  s[0] = slice(p.wqkv + (int64_t)l * nqkv * p.DIM, nqkv, p.DIM, pid, P, ni, b);
-  s[1] = slice(p.wo + (int64_t)l * p.DIM * hhd, p.DIM, hhd, pid, P, ni, b);
   const __nv_bfloat16* g = p.wgu + (int64_t)l * 2 * p.I * p.DIM;
-  s[2] = slice(g, p.I, p.DIM, pid, P, ni, b);
-  s[3] = slice(g + (int64_t)p.I * p.DIM, p.I, p.DIM, pid, P, ni, b);
-  s[4] = slice(p.wd + (int64_t)l * p.DIM * p.I, p.DIM, p.I, pid, P, ni, b);
+  switch (k) {
+    case 0: return slice(p.wqkv + (int64_t)l * nqkv * p.DIM, nqkv, p.DIM, pid, P, ni, b);
+    case 1: return slice(p.wo + (int64_t)l * p.DIM * hhd, p.DIM, hhd, pid, P, ni, b);
+    case 2: return slice(g, p.I, p.DIM, pid, P, ni, b);
+    case 3: return slice(g + (int64_t)p.I * p.DIM, p.I, p.DIM, pid, P, ni, b);
+    default: return slice(p.wd + (int64_t)l * p.DIM * p.I, p.DIM, p.I, pid, P, ni, b);
+  }
+}
+
+__device__ __forceinline__ void layer_slices(const Params& p, int l, int pid, int P, Slice* s) {
+#pragma unroll
+  for (int k = 0; k < 5; ++k) s[k] = layer_slice(p, l, k, pid, P);
 }
 
 struct Ring {
@@ -292,7 +327,7 @@ __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
     long long t0 = now<kTimed>();
     if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
       // Little's law: every SM with its whole ring in flight fills the memory system's queues,
-      // and every read on the critical path (the attention's, the counters') waits behind them.
+      // and every read on the critical path (the attention's, the polls) waits behind them.
       // Enough copies stay in flight to keep the HBM busy; the other stages hold landed bytes,
       // so a consumer that stalls does not stall the stream.
       mbar_wait(&ring.full[back.slot], back.par);
@@ -318,40 +353,63 @@ struct Consumer {
   float* xs;     // the attention's scratch (Att) and the final norm's row (float32)
   float* parts;  // [kMaxParts] per-warp partial sums of the phase's rows
   float* red;    // [kConsumerWarps] block reductions (the norms' sums of squares)
-  int* flag;
+  long long* st;  // [kStats] thread 0's cycle counts (stats), in shared memory
   int tid, warp, lane, pid, P;
   RingPos at;  // the next stage to consume, as the producer's walk
-  long long st[kStats] = {};  // thread 0's cycle counts (stats)
+  uint32_t want = 0;    // the LL flag of this step's current layer
+  bool broken = false;  // a poll of this thread's timed out (flagged): it waits no more
 
-  __device__ void wait_count(const int* c, int target, int kind) {
-    long long t0 = now<kTimed>();
-    if (tid == 0 && p.mode == 0) {
-      unsigned n = 0;
-      while (ld_acquire(c) < target) {
-        if (++n > kSpinLimit) {
-          atomicOr(p.cnt + p.L * kPhases + p.L * p.HKV, 1);
-          break;
-        }
+  __device__ void tally(int i, long long v) {
+    if (kTimed && tid == 0) st[i] += v;
+  }
+
+  __device__ bool polling() const { return p.mode == 0 && !broken; }  // (probe modes: one read)
+
+  __device__ void timed_out() {
+    atomicOr(p.ctl + 2, 1);
+    broken = true;
+  }
+
+  // The warp's piece of a GEMV's input row (as load_x) from LL words, polled until every word
+  // carries `flag`: the lane's 8 columns a j are 4 words, two 16-byte loads.
+  __device__ void load_x_ll(const uint2* src, int K, uint32_t flag, float (&xr)[32]) {
+    const int col0 = (warp * kSeg) % K;
+    uint4 v[8];
+    for (uint32_t n = 0, ok = 0;; ++n) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (!(ok >> k & 1)) v[k] = ld_ll2(src + (col0 + (k >> 1) * 256 + lane * 8) / 2 + (k & 1) * 2);
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (v[k].y == flag && v[k].w == flag) ok |= 1u << k;
+      if (ok == 0xffu || !polling()) break;
+      if (n > kSpinLimit) {
+        timed_out();
+        break;
       }
     }
-    consumers_sync();
-    st[3 + kind] += now<kTimed>() - t0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      xr[k * 4 + 0] = bf_lo(v[k].x);
+      xr[k * 4 + 1] = bf_hi(v[k].x);
+      xr[k * 4 + 2] = bf_lo(v[k].z);
+      xr[k * 4 + 3] = bf_hi(v[k].z);
+    }
   }
 
-  // After every consumer's stores: the block barrier orders them before thread 0's release add
-  // (the same pattern as the Triton stack's barrier), one instruction instead of a fence and an add.
-  __device__ void signal(int* c) {
-    consumers_sync();
-    if (tid == 0) red_release_add(c, 1);
-  }
-
-  // xs = RMSNorm(src) * w with rmsnorm's roundings; src written by other SMs (read through L2)
-  __device__ void norm_into_xs(const __nv_bfloat16* src, const __nv_bfloat16* w) {
+  // xs = RMSNorm(the row in LL words) * w with rmsnorm's roundings (the final norm, on SM 0)
+  __device__ void norm_into_xs(const uint2* src, const __nv_bfloat16* w) {
     float ss = 0.f;
-    for (int k = tid; k < p.DIM; k += kConsumers) {
-      float v = __bfloat162float(__ldcg(src + k));
-      xs[k] = v;
-      ss += v * v;
+    for (int k = tid; k < p.DIM / 2; k += kConsumers) {
+      uint2 v = ld_ll(src + k);
+      for (uint32_t n = 0; v.y != want && polling(); ++n) {
+        if (n > kSpinLimit) timed_out();
+        v = ld_ll(src + k);
+      }
+      const float a = bf_lo(v.x), b = bf_hi(v.x);
+      xs[2 * k] = a;
+      xs[2 * k + 1] = b;
+      ss += a * a + b * b;
     }
     ss = warp_sum(ss);
     if (lane == 0) red[warp] = ss;
@@ -362,6 +420,12 @@ struct Consumer {
     float rstd = rsqrtf(tot / p.DIM + p.eps);
     for (int k = tid; k < p.DIM; k += kConsumers) xs[k] = bf(bf(xs[k] * rstd) * __bfloat162float(w[k]));
     consumers_sync();
+  }
+
+  // rows [s.row0, s.row0 + s.n) (row0 and n even) as LL words of pairs: value(r) is row r's
+  template <class F>
+  __device__ void put_rows(uint2* dst, const Slice& s, F value) {
+    for (int w = tid; 2 * w < s.n; w += kConsumers) st_ll(dst + s.row0 / 2 + w, pack_bf2(value(2 * w), value(2 * w + 1)), want);
   }
 
   // The warp's piece of a GEMV's input row, in registers for the whole phase: every stage puts
@@ -382,11 +446,10 @@ struct Consumer {
     }
   }
 
-  // xr = RMSNorm(src) * wr on the warp's piece (rmsnorm's roundings; wr: the norm weight's piece,
-  // loaded before the wait that src needs); the row's sum of squares from the warps whose pieces
-  // tile it (warps 0 .. K / kSeg - 1)
-  __device__ void norm_x(const __nv_bfloat16* src, const float (&wr)[32], int K, float (&xr)[32]) {
-    load_x(src, K, xr);
+  // xr = RMSNorm(xr) * wr on the warp's piece (rmsnorm's roundings; wr: the norm weight's piece,
+  // loaded before the row); the row's sum of squares from the warps whose pieces tile it
+  // (warps 0 .. K / kSeg - 1)
+  __device__ void norm_x(const float (&wr)[32], int K, float (&xr)[32]) {
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) ss = fmaf(xr[i], xr[i], ss);
@@ -398,6 +461,13 @@ struct Consumer {
     const float rstd = rsqrtf(tot / K + p.eps);
 #pragma unroll
     for (int i = 0; i < 32; ++i) xr[i] = bf(bf(xr[i] * rstd) * wr[i]);
+  }
+
+  // the SM's slice k of layer l, seated (see layer_slice)
+  __device__ Slice sl(int l, int k) const {
+    Slice s = layer_slice(p, l, k, pid, P);
+    seat(s);
+    return s;
   }
 
   // The warp's place in the slice's stages: every stage puts its kSeg elements at the same row
@@ -418,8 +488,8 @@ struct Consumer {
     mbar_wait(&ring.full[at.slot], at.par);
     at.advance(ring.n);
     long long t1 = now<kTimed>();
-    st[2] += t1 - t0;
-    st[11] += 1;
+    tally(2, t1 - t0);
+    tally(11, 1);
     if (s.rw < s.rows(i) && p.mode != 2) {  // (probe mode 2: the weights stream, nothing multiplies them)
       const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + warp * kSeg;
       uint4 u[4];
@@ -441,7 +511,7 @@ struct Consumer {
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&ring.empty[slot]);
-    st[12] += now<kTimed>() - t1;
+    tally(12, now<kTimed>() - t1);
   }
 
   __device__ void slice_stages(const Slice& s, int base, const float (&xr)[32]) {
@@ -535,22 +605,47 @@ struct Consumer {
     float *qs = a.qs, *cs = a.cs, *sn = a.sn, *kn = a.kn, *vn = a.vn, *pb = a.pb, *al = a.al;
     __nv_bfloat16 *kb = a.kb, *vb = a.vb;
     const int64_t cbase = a.cbase;
-    const __nv_bfloat16* qkv = p.qkv;
     bool on = lo < hi;
     if (on) {
-      // q|k|v: every load issued before the first use (one round trip to L2 under the stream)
-      float qa[kRopeIt], qb[kRopeIt];
+      // q|k|v polled as LL words (the SMs that hold the head's rows write them): every load issued
+      // before the first use, one round trip to L2 from the moment the rows land
+      uint2 wa[kRopeIt], wb[kRopeIt], wv = make_uint2(0, want);
+      int oa[kRopeIt];
 #pragma unroll
       for (int it = 0; it < kRopeIt; ++it) {
         const int e = tid + it * kConsumers, g2 = e / HALF, d = e % HALF;
-        qa[it] = qb[it] = 0.f;
-        if (e < (G + 1) * HALF) {
-          const __nv_bfloat16* src = g2 < G ? qkv + (kvh * G + g2) * HD : qkv + (p.H + kvh) * HD;
-          qa[it] = __bfloat162float(__ldcg(src + d));
-          qb[it] = __bfloat162float(__ldcg(src + d + HALF));
+        oa[it] = (g2 < G ? (kvh * G + g2) * HD : (p.H + kvh) * HD) + d;
+        wa[it] = wb[it] = make_uint2(0, want);
+      }
+      const int ov = (p.H + p.HKV + kvh) * HD + tid;
+      const long long tq = now<kTimed>();
+      for (uint32_t n = 0, ok = 0;; ++n) {
+#pragma unroll
+        for (int it = 0; it < kRopeIt; ++it) {
+          if (tid + it * kConsumers < (G + 1) * HALF && !(ok >> it & 1)) {
+            wa[it] = ld_ll(p.qkv + oa[it] / 2);
+            wb[it] = ld_ll(p.qkv + (oa[it] + HALF) / 2);
+          }
+        }
+        if (tid < HD && !(ok >> kRopeIt & 1)) wv = ld_ll(p.qkv + ov / 2);
+#pragma unroll
+        for (int it = 0; it < kRopeIt; ++it)
+          if (wa[it].y == want && wb[it].y == want) ok |= 1u << it;
+        if (wv.y == want) ok |= 1u << kRopeIt;
+        if (ok == (2u << kRopeIt) - 1 || !polling()) break;
+        if (n > kSpinLimit) {
+          timed_out();
+          break;
         }
       }
-      const float vd = tid < HD ? __bfloat162float(__ldcg(qkv + (p.H + p.HKV + kvh) * HD + tid)) : 0.f;
+      tally(4, now<kTimed>() - tq);
+      float qa[kRopeIt], qb[kRopeIt];
+#pragma unroll
+      for (int it = 0; it < kRopeIt; ++it) {
+        qa[it] = bf_at(wa[it].x, oa[it] & 1);
+        qb[it] = bf_at(wb[it].x, (oa[it] + HALF) & 1);
+      }
+      const float vd = bf_at(wv.x, ov & 1);
       if (pre) consumers_sync();  // every thread's copies landed
       for (int d = tid; d < HD; d += kConsumers) {
         cs[d] = __bfloat162float(pre ? a.csb[d] : p.cos[pos * p.s_tab + d]);
@@ -641,11 +736,14 @@ struct Consumer {
         }
         consumers_sync();
       }
-      // the split's partial (or, with one split, the output)
+      // the split's partial (LL floats, its max and sum after it), or with one split the output
+      const int prow = (kvh * G) * NS + sp;  // + gh * NS: the head's row of partials
       if (warp < G && lane == 0) {
-        int row = (kvh * G + warp) * NS + sp;
-        p.ml[row * 2] = m_i;
-        p.ml[row * 2 + 1] = l_i;
+        uint2* r = p.part + (int64_t)(prow + warp * NS) * (HD + 2) + HD;
+        if (NS > 1) {
+          st_ll(r, __float_as_uint(m_i), want);
+          st_ll(r + 1, __float_as_uint(l_i), want);
+        }
         al[warp] = l_i;
       }
       consumers_sync();
@@ -655,41 +753,54 @@ struct Consumer {
         if (!own_pair(t, G, HD, gh, d)) break;
         if (NS == 1) {
           float den = al[gh];
-          p.attn[(kvh * G + gh) * HD + d] = __float2bfloat16(o[t] / (den > 0.f ? den : 1.f));
+          qs[gh * HD + d] = o[t] / (den > 0.f ? den : 1.f);  // (q is used: the output's staging)
         } else {
-          p.part[((kvh * G + gh) * NS + sp) * HD + d] = o[t];
+          st_ll(p.part + (int64_t)(prow + gh * NS) * (HD + 2) + d, __float_as_uint(o[t]), want);
         }
       }
     }
     if (NS == 1) {
-      signal(p.cnt + l * kPhases + 1);
+      if (on) put_heads(kvh);
       return;
     }
-    // the last split of the kv head to arrive merges the partials
-    consumers_sync();
-    if (tid == 0) *flag = atom_acq_rel_add(p.cnt + p.L * kPhases + l * p.HKV + kvh, 1) == NS - 1;
-    consumers_sync();
-    if (!*flag) return;
-    // Every load of the merge issued at once (one round trip to L2, not two): the splits' (max,
-    // sum) pairs into shared memory (pb, G * kKeys >= G * kMaxSplits * 2 floats: the keys' p are
-    // used), the thread's partials into registers.
-    const int used = min(NS, (length + chunk - 1) / chunk);  // the splits with keys
+    if (sp != 0) return;
+    // Split 0 merges the kv head's partials, polled as LL words: the splits' (max, sum) pairs
+    // into shared memory (pb: G * kKeys >= G * kMaxSplits * 2 floats, the keys' p are used), the
+    // thread's partials into registers; every load in flight at once.
+    const int used = min(NS, (length + chunk - 1) / chunk);  // the splits with keys (split 0 has)
     float* mls = pb;
     for (int e0 = 0; e0 < G * HD; e0 += kConsumers) {
-      const int e = e0 + tid, gh = e / HD, d = e % HD, row0 = (kvh * G + gh) * NS;
-      const bool mine = e < G * HD;
-      float part[kMaxSplits];
+      const int e = e0 + tid, gh = e / HD, d = e % HD;
+      const uint2* prt = p.part + (int64_t)((kvh * G + gh) * NS) * (HD + 2) + d;
+      const bool mine = e < G * HD, lead = e0 == 0 && tid < G * used;
+      const int h2 = tid / max(used, 1), s3 = tid % max(used, 1);
+      const uint2* mlw = p.part + (int64_t)((kvh * G + h2) * NS + s3) * (HD + 2) + HD;
+      uint2 pw[kMaxSplits], wm = make_uint2(0, want), wl = make_uint2(0, want);
 #pragma unroll
-      for (int s2 = 0; s2 < kMaxSplits; ++s2)
-        part[s2] = mine && s2 < used ? __ldcg(p.part + (row0 + s2) * HD + d) : 0.f;
-      if (e0 == 0) {
-        if (tid < G * used) {
-          const int h2 = tid / used, s2 = tid % used, r = (kvh * G + h2) * NS + s2;
-          mls[(h2 * kMaxSplits + s2) * 2] = __ldcg(p.ml + r * 2);
-          mls[(h2 * kMaxSplits + s2) * 2 + 1] = __ldcg(p.ml + r * 2 + 1);
+      for (int s2 = 0; s2 < kMaxSplits; ++s2) pw[s2] = make_uint2(0, want);
+      for (uint32_t n = 0, ok = 0;; ++n) {
+#pragma unroll
+        for (int s2 = 0; s2 < kMaxSplits; ++s2)
+          if (mine && s2 < used && !(ok >> s2 & 1)) pw[s2] = ld_ll(prt + (int64_t)s2 * (HD + 2));
+        if (lead && !(ok >> kMaxSplits & 1)) {
+          wm = ld_ll(mlw);
+          wl = ld_ll(mlw + 1);
         }
-        consumers_sync();
+#pragma unroll
+        for (int s2 = 0; s2 < kMaxSplits; ++s2)
+          if (pw[s2].y == want) ok |= 1u << s2;
+        if (wm.y == want && wl.y == want) ok |= 1u << kMaxSplits;
+        if (ok == (2u << kMaxSplits) - 1 || !polling()) break;
+        if (n > kSpinLimit) {
+          timed_out();
+          break;
+        }
       }
+      if (lead) {
+        mls[(h2 * kMaxSplits + s3) * 2] = __uint_as_float(wm.x);
+        mls[(h2 * kMaxSplits + s3) * 2 + 1] = __uint_as_float(wl.x);
+      }
+      if (e0 == 0) consumers_sync();
       if (!mine) continue;
       const float* mh = mls + gh * kMaxSplits * 2;
       float mx = -INFINITY;
@@ -700,13 +811,22 @@ struct Consumer {
         if (s2 < used) {
           float w = exp2f(mh[s2 * 2] - mx);
           den = fmaf(mh[s2 * 2 + 1], w, den);
-          num = fmaf(part[s2], w, num);
+          num = fmaf(__uint_as_float(pw[s2].x), w, num);
         }
       }
-      p.attn[(kvh * G + gh) * HD + d] = __float2bfloat16(num / (den > 0.f ? den : 1.f));
+      qs[e] = num / (den > 0.f ? den : 1.f);
     }
-    signal(p.cnt + l * kPhases + 1);
+    put_heads(kvh);
   }
+
+  // the kv head's G heads of output (float in qs) as LL words of bf16 pairs
+  __device__ void put_heads(int kvh) {
+    const int n = p.H / p.HKV * p.HD;
+    consumers_sync();
+    for (int w = tid; w < n / 2; w += kConsumers)
+      st_ll(p.attn + kvh * n / 2 + w, pack_bf2(a_qs()[2 * w], a_qs()[2 * w + 1]), want);
+  }
+  __device__ float* a_qs() const { return xs; }  // Att::qs
 
   __device__ void run() {
     long long t_start = now<kTimed>();
@@ -720,97 +840,114 @@ struct Consumer {
   __device__ void run_layers() {
     const int hhd = p.H * p.HD;
     const int nitem = p.HKV * p.NS;
-    int* cnt = p.cnt;
-    // thread r's register copy of the residual's row r of the SM's o/down rows (at most
-    // kConsumers rows an SM: the launcher checks), so the phase ends do not read it back
-    float resid = 0.f;
+    // the step's epoch: every SM reads it here, and the last SM to finish advances it (below)
+    const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(p.ctl);
+    // thread r's register copies of the residual's rows 2r, 2r + 1 of the SM's o/down rows (at
+    // most 2 kConsumers rows an SM: the launcher checks), so the phase ends do not read them back
+    float2 resid = make_float2(0.f, 0.f);
     for (int l = 0; l < p.L; ++l) {
-      Slice s[5];
-      layer_slices(p, l, pid, P, s);
-#pragma unroll
-      for (int k = 0; k < 5; ++k) seat(s[k]);
-      const __nv_bfloat16* src = l == 0 ? p.x : p.res;
+      want = epoch * (uint32_t)p.L + (uint32_t)l + 1u;
       const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
       const bool attends = pid < nitem && p.mode < 2;  // (probe modes 2 and 3 skip the attention)
       if (attends) att_prefetch(att_setup(l, pid));
-      // Q
+      // Q (an SM with no rows of a phase reads nothing of it: a row it waited for could already
+      // be the next layer's)
       float xr[32], wr[32];
-      load_x(nw, p.DIM, wr);  // (no earlier kernel or phase writes the weights: before the wait)
-      if (l > 0) wait_count(cnt + (l - 1) * kPhases + 4, P, 0);
-      long long tn = now<kTimed>();
-      norm_x(src, wr, p.DIM, xr);
-      st[10] += now<kTimed>() - tn;
-      slice_stages(s[0], 0, xr);
+      const Slice sq = sl(l, 0);
+      if (sq.n > 0) {
+        load_x(nw, p.DIM, wr);  // (no earlier kernel or phase writes the weights: before the rows)
+        long long t0 = now<kTimed>();
+        if (l == 0) {
+          load_x(p.x, p.DIM, xr);
+        } else {
+          load_x_ll(p.resd, p.DIM, want - 1u, xr);  // (the previous layer's down)
+        }
+        long long tn = now<kTimed>();
+        tally(3, tn - t0);
+        norm_x(wr, p.DIM, xr);
+        tally(10, now<kTimed>() - tn);
+      }
+      slice_stages(sq, 0, xr);
       long long te = now<kTimed>();
       consumers_sync();
-      for (int r = tid; r < s[0].n; r += kConsumers) p.qkv[s[0].row0 + r] = __float2bfloat16(row_sum(s[0], 0, r));
-      signal(cnt + l * kPhases + 0);
-      st[13] += now<kTimed>() - te;
+      put_rows(p.qkv, sq, [&](int r) { return row_sum(sq, 0, r); });
+      tally(13, now<kTimed>() - te);
       // A
       if (attends) {
-        wait_count(cnt + l * kPhases + 0, P, 1);
         long long t0 = now<kTimed>();
         for (int item = pid; item < nitem; item += P) attention(l, item, item == pid);
-        st[8] += now<kTimed>() - t0;
+        tally(8, now<kTimed>() - t0);
       }
       // O
-      wait_count(cnt + l * kPhases + 1, p.HKV, 2);
-      tn = now<kTimed>();
-      load_x(p.attn, hhd, xr);
-      st[10] += now<kTimed>() - tn;
-      slice_stages(s[1], 0, xr);
+      const Slice so = sl(l, 1);
+      if (so.n > 0) {
+        long long t0 = now<kTimed>();
+        load_x_ll(p.attn, hhd, want, xr);
+        tally(5, now<kTimed>() - t0);
+      }
+      slice_stages(so, 0, xr);
       te = now<kTimed>();
       consumers_sync();
-      if (tid < s[1].n) {  // the o and down rows are the same rows: thread r keeps row r's residual
-        float base = l == 0 ? __bfloat162float(p.x[s[1].row0 + tid]) : resid;
-        __nv_bfloat16 y = __float2bfloat16(bf(row_sum(s[1], 0, tid)) + base);
-        p.res[s[1].row0 + tid] = y;
-        resid = __bfloat162float(y);
+      if (2 * tid < so.n) {  // the o and down rows are the same rows: thread r keeps rows 2r, 2r + 1
+        const int r = 2 * tid;
+        const float b0 = l == 0 ? __bfloat162float(p.x[so.row0 + r]) : resid.x;
+        const float b1 = l == 0 ? __bfloat162float(p.x[so.row0 + r + 1]) : resid.y;
+        resid = make_float2(bf(bf(row_sum(so, 0, r)) + b0), bf(bf(row_sum(so, 0, r + 1)) + b1));
+        st_ll(p.reso + so.row0 / 2 + tid, pack_bf2(resid.x, resid.y), want);
       }
-      signal(cnt + l * kPhases + 2);
-      st[13] += now<kTimed>() - te;
+      tally(13, now<kTimed>() - te);
       // G
-      load_x(nw + p.DIM, p.DIM, wr);
-      wait_count(cnt + l * kPhases + 2, P, 3);
-      tn = now<kTimed>();
-      norm_x(p.res, wr, p.DIM, xr);
-      st[10] += now<kTimed>() - tn;
-      const int up = s[2].n * (p.DIM / kSeg);
-      for (int i = 0; i < s[2].stages(); ++i) {
-        stage(s[2], i, 0, xr);
-        stage(s[3], i, up, xr);
+      const Slice sg = sl(l, 2), su = sl(l, 3);
+      if (sg.n > 0) {
+        load_x(nw + p.DIM, p.DIM, wr);
+        long long t0 = now<kTimed>();
+        load_x_ll(p.reso, p.DIM, want, xr);
+        long long tn = now<kTimed>();
+        tally(6, tn - t0);
+        norm_x(wr, p.DIM, xr);
+        tally(10, now<kTimed>() - tn);
+      }
+      const int up = sg.n * (p.DIM / kSeg);
+      for (int i = 0; i < sg.stages(); ++i) {
+        stage(sg, i, 0, xr);
+        stage(su, i, up, xr);
       }
       te = now<kTimed>();
       consumers_sync();
-      for (int r = tid; r < s[2].n; r += kConsumers) {
-        float gv = bf(row_sum(s[2], 0, r));
+      put_rows(p.act, sg, [&](int r) {
+        float gv = bf(row_sum(sg, 0, r));
         float sv = bf(gv / (1.f + __expf(-gv)));
-        p.act[s[2].row0 + r] = __float2bfloat16(sv * bf(row_sum(s[3], up, r)));
-      }
-      signal(cnt + l * kPhases + 3);
-      st[13] += now<kTimed>() - te;
+        return sv * bf(row_sum(su, up, r));
+      });
+      tally(13, now<kTimed>() - te);
       // D
-      wait_count(cnt + l * kPhases + 3, P, 4);
       if (l == p.L - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-      tn = now<kTimed>();
-      load_x(p.act, p.I, xr);
-      st[10] += now<kTimed>() - tn;
-      slice_stages(s[4], 0, xr);
+      const Slice sd = sl(l, 4);
+      if (sd.n > 0) {
+        long long t0 = now<kTimed>();
+        load_x_ll(p.act, p.I, want, xr);
+        tally(7, now<kTimed>() - t0);
+      }
+      slice_stages(sd, 0, xr);
       te = now<kTimed>();
       consumers_sync();
-      if (tid < s[4].n) {
-        __nv_bfloat16 y = __float2bfloat16(bf(row_sum(s[4], 0, tid)) + resid);
-        p.res[s[4].row0 + tid] = y;
-        resid = __bfloat162float(y);
+      if (2 * tid < sd.n) {
+        const int r = 2 * tid;
+        resid = make_float2(bf(bf(row_sum(sd, 0, r)) + resid.x), bf(bf(row_sum(sd, 0, r + 1)) + resid.y));
+        st_ll(p.resd + sd.row0 / 2 + tid, pack_bf2(resid.x, resid.y), want);
       }
-      signal(cnt + l * kPhases + 4);
-      st[13] += now<kTimed>() - te;
+      tally(13, now<kTimed>() - te);
     }
-    if (pid == 0) {  // the final norm; then every SM is past its last wait: reset the counters
-      wait_count(cnt + (p.L - 1) * kPhases + 4, P, 0);
-      norm_into_xs(p.res, p.fnorm);
+    if (pid == 0) {  // the final norm of the last layer's residual rows
+      norm_into_xs(p.resd, p.fnorm);
       for (int k = tid; k < p.DIM; k += kConsumers) p.out[k] = __float2bfloat16(xs[k]);
-      for (int k = tid; k < p.L * (kPhases + p.HKV); k += kConsumers) cnt[k] = 0;
+    }
+    // The last SM done advances the epoch: every SM has read it by then, and the next step (the
+    // next kernel, after this one completes) sees it.
+    consumers_sync();
+    if (tid == 0 && atom_acq_rel_add(p.ctl + 1, 1) == P - 1) {
+      p.ctl[1] = 0;
+      p.ctl[0] = (int)(epoch + 1u);
     }
   }
 };
@@ -827,8 +964,10 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   float* xs = reinterpret_cast<float*>(smem + (size_t)ring.n * kStageBytes);
   float* parts = xs + (xsf + 3) / 4 * 4;
   float* red = parts + kMaxParts;
-  int* flag = reinterpret_cast<int*>(red + kConsumerWarps + 8);
-  ring.full = reinterpret_cast<uint64_t*>(flag + 2);
+  long long* st = reinterpret_cast<long long*>(red + kConsumerWarps + 8);  // (8-byte aligned)
+  if (kTimed && tid == 0)
+    for (int i = 0; i < kStats; ++i) st[i] = 0;
+  ring.full = reinterpret_cast<uint64_t*>(st + kStats);
   ring.empty = ring.full + ring.n;
   if (tid == 0) {
     for (int i = 0; i < ring.n; ++i) {
@@ -843,7 +982,7 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
     return;
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished (x, pos, caches)
-  Consumer<kTimed> c{p, ring, xs, parts, red, flag, tid, warp, lane, pid, P};
+  Consumer<kTimed> c{p, ring, xs, parts, red, st, tid, warp, lane, pid, P};
   c.run();
 }
 
@@ -853,7 +992,7 @@ extern "C" {
 
 // Shared memory a block needs beside its ring of stages.
 int realtime_stack_fixed_smem(int dim, int hhd, int inter, int g, int hd) {
-  return (xs_floats(dim, hhd, inter, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + 8;
+  return (xs_floats(dim, hhd, inter, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + kStats * 8;
 }
 
 int realtime_stack_stage_bytes() { return kStageBytes; }
@@ -867,13 +1006,13 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
   p.out = reinterpret_cast<__nv_bfloat16*>(a[1]);
-  p.res = reinterpret_cast<__nv_bfloat16*>(a[2]);
-  p.qkv = reinterpret_cast<__nv_bfloat16*>(a[3]);
-  p.attn = reinterpret_cast<__nv_bfloat16*>(a[4]);
-  p.part = reinterpret_cast<float*>(a[5]);
-  p.ml = reinterpret_cast<float*>(a[6]);
-  p.act = reinterpret_cast<__nv_bfloat16*>(a[7]);
-  p.cnt = reinterpret_cast<int*>(a[8]);
+  p.reso = reinterpret_cast<uint2*>(a[2]);
+  p.qkv = reinterpret_cast<uint2*>(a[3]);
+  p.attn = reinterpret_cast<uint2*>(a[4]);
+  p.part = reinterpret_cast<uint2*>(a[5]);
+  p.resd = reinterpret_cast<uint2*>(a[6]);
+  p.act = reinterpret_cast<uint2*>(a[7]);
+  p.ctl = reinterpret_cast<int*>(a[8]);
   p.wqkv = reinterpret_cast<const __nv_bfloat16*>(a[9]);
   p.wo = reinterpret_cast<const __nv_bfloat16*>(a[10]);
   p.wgu = reinterpret_cast<const __nv_bfloat16*>(a[11]);

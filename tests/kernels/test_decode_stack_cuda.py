@@ -29,7 +29,7 @@ def test_takes_names_the_widths_it_handles() -> None:
     assert not dsc.takes(576, 1536, 9, 3, 64)  # SmolLM2-135M: K not a multiple of 1024
     assert not dsc.takes(2048, 8192, 32, 8, 256)  # head dim over 128
     assert not dsc.takes(2048, 8192, 32, 2, 64)  # 16 query heads a kv head
-    assert dsc.default_splits(8, 2048, 132) == 16 and dsc.default_splits(8, 40, 132) == 2
+    assert dsc.default_splits(8, 2048, 132) == dsc.MAX_SPLITS == 12 and dsc.default_splits(8, 40, 132) == 2
     assert dsc.default_splits(8, 2048, 40) == 5
 
 
@@ -52,14 +52,15 @@ def test_kernel_builds_for_sm90_without_spills(tmp_path) -> None:
     assert max(regs) <= 224, f"{regs} registers a thread: 288 threads must fit one SM's 64K"
 
 
-@pytest.mark.parametrize("n", [1, 64, 2048, 3072, 8192])
+@pytest.mark.parametrize("n", [2, 64, 2048, 3072, 8192])
 @pytest.mark.parametrize("programs, items, balance", [(132, 72, -1), (132, 72, 0), (132, 72, 80), (132, 128, 300),
                                                       (7, 3, 120), (132, 200, 50)])
 def test_row_split_covers_every_row_once(n: int, programs: int, items: int, balance: int) -> None:
-    """The rows of a GEMV split over the SMs (the kernel's row_start, mirrored in Python): each row
-    exactly once, in order; with a balance the SMs that attend get no more rows than the others."""
+    """The rows of a GEMV split over the SMs (the kernel's slice(), mirrored in Python): each row
+    exactly once, in order, every SM's first row even (the rows go out two to an LL word); with a
+    balance the SMs that attend get no more rows than the others."""
     starts = [dsc.row_start(n, i, programs, items, balance) for i in range(programs + 1)]
-    assert starts[0] == 0 and starts[-1] == n
+    assert starts[0] == 0 and starts[-1] == n and all(s % 2 == 0 for s in starts)
     counts = [b - a for a, b in zip(starts, starts[1:])]
     assert min(counts) >= 0
     assert max(counts) == dsc.max_rows(programs, items, balance)(n)
@@ -67,9 +68,9 @@ def test_row_split_covers_every_row_once(n: int, programs: int, items: int, bala
         att, rest = counts[:min(items, programs)], counts[min(items, programs):]
         if rest:
             assert max(att) <= max(rest)
-            assert sum(att) / len(att) <= sum(rest) / len(rest) + 1
+            assert sum(att) / len(att) <= sum(rest) / len(rest) + 2
         if balance == 0:
-            assert max(counts) - min(counts) <= 1  # as even as rows allow
+            assert max(counts) - min(counts) <= 2  # as even as row pairs allow
 
 
 def test_refuses_what_it_does_not_take() -> None:
