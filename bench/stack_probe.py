@@ -226,8 +226,9 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         ref = model._decode(step_x[:, None], pos, cache, slots)[:, 0].float()
     rk, rv = cache.k[:, :, :, p0].float(), cache.v[:, :, :, p0].float()
     model.stack = saved
-    variants = [dict(), dict(inflight=1), dict(inflight=3), dict(balance=40), dict(balance=80), dict(splits=4),
-                dict(splits=16)]
+    variants = [dict(), dict(backoff=100), dict(backoff=300), dict(backoff=1000), dict(inflight=3),
+                dict(inflight=3, backoff=300), dict(balance=40), dict(balance=40, backoff=300), dict(splits=4),
+                dict(splits=12)]
     for kw in variants:
         ns, stages = kw.get("splits"), kw.get("stages")
 
@@ -236,7 +237,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         fl = kw.get("inflight", dsc.INFLIGHT)
         name = (f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}"
                 + (f", {stages} stages" if stages else "") + f", {fl or 'all'} in flight"
-                + (f", balance {kw['balance']}" if "balance" in kw else ""))
+                + (f", balance {kw['balance']}" if "balance" in kw else "")
+                + (f", polls back off {kw['backoff']} ns" if kw.get("backoff") else ""))
         try:
             cache.k.copy_(k0)
             cache.v.copy_(v0)

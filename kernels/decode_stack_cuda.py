@@ -38,6 +38,7 @@ _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
 _KEYS = 32  # keys an attention block (kKeys)
 _SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, dividing a stage
 # Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
+BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 STATS = 16  # kStats: per-SM cycle counts a probe can ask for
@@ -196,13 +197,15 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
 def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,  # noqa: ANN001
                       cos: Tensor, sin: Tensor, programs: int | None = None, splits: int | None = None,
                       stages: int | None = None, pdl: bool = True, stats: Tensor | None = None,
-                      mode: int = 0, inflight: int | None = None, balance: int = -1) -> Tensor:
+                      mode: int = 0, inflight: int | None = None, balance: int = -1,
+                      backoff: int | None = None) -> Tensor:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
     ``inflight`` caps the weight copies in flight an SM (default ``INFLIGHT``; 0: the whole ring).
     ``balance`` >= 0 splits every GEMV's rows by weight, that many per mille fewer for the SMs that
-    also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed).
+    also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed). ``backoff``: ns a
+    poll for another SM's rows sleeps before it polls again (default ``BACKOFF``).
 
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
     ``STAT_NAMES``); ``mode`` 1 reads the rows other SMs hand over once, without polling for
@@ -249,7 +252,10 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
     fl = INFLIGHT if inflight is None else inflight
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
-    n = (ctypes.c_int * 12)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance)
+    nap = BACKOFF if backoff is None else backoff
+    check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
+    n = (ctypes.c_int * 13)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
+                            nap)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

@@ -91,6 +91,7 @@ struct Params {
                      // no arithmetic, 3 no polls and no attention
   int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
   int balance;       // < 0: cdiv(N, P) rows an SM; else per mille fewer rows for the SMs that attend
+  int backoff;       // ns a poll sleeps after finding a word not yet written (0: none)
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
@@ -370,6 +371,17 @@ struct Consumer {
     broken = true;
   }
 
+  // After a poll that found a word not yet written: false once the poll limit is reached
+  // (flagged); sleeps Params::backoff ns first (fewer polls in flight across the SMs)
+  __device__ bool retry(uint32_t n) {
+    if (n > kSpinLimit) {
+      timed_out();
+      return false;
+    }
+    if (p.backoff > 0) __nanosleep(p.backoff);
+    return true;
+  }
+
   // The warp's piece of a GEMV's input row (as load_x) from LL words, polled until every word
   // carries `flag`: the lane's 8 columns a j are 4 words, two 16-byte loads.
   __device__ void load_x_ll(const uint2* src, int K, uint32_t flag, float (&xr)[32]) {
@@ -383,10 +395,7 @@ struct Consumer {
       for (int k = 0; k < 8; ++k)
         if (v[k].y == flag && v[k].w == flag) ok |= 1u << k;
       if (ok == 0xffu || !polling()) break;
-      if (n > kSpinLimit) {
-        timed_out();
-        break;
-      }
+      if (!retry(n)) break;
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -402,10 +411,7 @@ struct Consumer {
     float ss = 0.f;
     for (int k = tid; k < p.DIM / 2; k += kConsumers) {
       uint2 v = ld_ll(src + k);
-      for (uint32_t n = 0; v.y != want && polling(); ++n) {
-        if (n > kSpinLimit) timed_out();
-        v = ld_ll(src + k);
-      }
+      for (uint32_t n = 0; v.y != want && polling() && retry(n); ++n) v = ld_ll(src + k);
       const float a = bf_lo(v.x), b = bf_hi(v.x);
       xs[2 * k] = a;
       xs[2 * k + 1] = b;
@@ -633,10 +639,7 @@ struct Consumer {
           if (wa[it].y == want && wb[it].y == want) ok |= 1u << it;
         if (wv.y == want) ok |= 1u << kRopeIt;
         if (ok == (2u << kRopeIt) - 1 || !polling()) break;
-        if (n > kSpinLimit) {
-          timed_out();
-          break;
-        }
+        if (!retry(n)) break;
       }
       tally(4, now<kTimed>() - tq);
       float qa[kRopeIt], qb[kRopeIt];
@@ -791,10 +794,7 @@ struct Consumer {
           if (pw[s2].y == want) ok |= 1u << s2;
         if (wm.y == want && wl.y == want) ok |= 1u << kMaxSplits;
         if (ok == (2u << kMaxSplits) - 1 || !polling()) break;
-        if (n > kSpinLimit) {
-          timed_out();
-          break;
-        }
+        if (!retry(n)) break;
       }
       if (lead) {
         mls[(h2 * kMaxSplits + s3) * 2] = __uint_as_float(wm.x);
@@ -1000,7 +1000,7 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0), f: eps and qk_scale, n:
-// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance). Returns a
+// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff). Returns a
 // cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
@@ -1045,6 +1045,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.mode = n[9];
   p.inflight = n[10];
   p.balance = n[11];
+  p.backoff = n[12];
   static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
   const bool timed = p.stats != nullptr;
   cudaError_t e;
