@@ -279,6 +279,15 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         else:
             log(f"  {name:<42} mean {float(col.mean()) / total:6.3f}  max {float(col.max()) / total:6.3f}  "
                 f"min {float(col.min()) / total:6.3f}   ({float(col.max()):.0f} cycles)")
+    # the attention's parts on the SMs that attend, split 0 of each kv head (which merges) apart
+    ns = dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)
+    items = w.n_kv_heads * ns
+    layers = w.qkv.shape[0]
+    for label, sel in (("splits 1..", [i for i in range(items) if i % ns]), ("split 0 (merges)", list(range(0, items, ns)))):
+        if sel:
+            sub = st[sel]
+            log(f"  {label:<17} cycles a layer, mean over {len(sel)} SMs: "
+                + ", ".join(f"{dsc.STAT_NAMES[i]} {float(sub[:, i].mean()) / layers:.0f}" for i in (4, 8, 14, 15)))
     rows.append(dict(name="CUDA stack cycle counts", stat_names=list(dsc.STAT_NAMES),
                      mean=st.mean(0).tolist(), max=st.max(0).values.tolist(), min=st.min(0).values.tolist()))
 

@@ -45,7 +45,8 @@ STATS = 16  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
               "polls for the residual (q|k|v)", "polls for q|k|v (the attention)", "polls for the heads (o)",
               "polls for the residual (gate|up)", "polls for the activation (down)", "attention", "consumers total",
-              "row loads and norms", "stages", "stage arithmetic", "phase ends")
+              "row loads and norms", "stages", "stage arithmetic", "phase ends", "attention to its split's partial",
+              "split 0 polls for the partials")
 
 
 def _nvcc() -> str | None:

@@ -98,7 +98,8 @@ struct Params {
 // cycles the consumers waited for a stage's bytes, polled for the rows before Q (the previous
 // layer's down), A (q|k|v), O (the heads), G (o), D (gate|up), in the attention, total, in the
 // row loads and norms, stages consumed, in the stages' arithmetic (bytes landed to stage freed),
-// in the phase ends (the warps' last stages, row sums, stores, signals)
+// in the phase ends (the warps' last stages, row sums, stores), in the attention up to its
+// split's partial, polled for the other splits' partials (split 0)
 constexpr int kStats = 16;
 
 // ---- PTX helpers: mbarriers, bulk copies, LL words
@@ -602,6 +603,7 @@ struct Consumer {
   }
 
   __device__ void attention(int l, int item, bool pre) {
+    const long long ta = now<kTimed>();
     const Att a = att_setup(l, item);
     if (pre) cp_async_wait_all();  // (made visible to the other threads by the next block barrier)
     const int HD = p.HD, HALF = HD / 2, G = p.H / p.HKV, NS = p.NS;
@@ -764,9 +766,12 @@ struct Consumer {
     }
     if (NS == 1) {
       if (on) put_heads(kvh);
+      tally(14, now<kTimed>() - ta);
       return;
     }
+    tally(14, now<kTimed>() - ta);
     if (sp != 0) return;
+    const long long tm = now<kTimed>();
     // Split 0 merges the kv head's partials, polled as LL words: the splits' (max, sum) pairs
     // into shared memory (pb: G * kKeys >= G * kMaxSplits * 2 floats, the keys' p are used), the
     // thread's partials into registers; every load in flight at once.
@@ -800,7 +805,10 @@ struct Consumer {
         mls[(h2 * kMaxSplits + s3) * 2] = __uint_as_float(wm.x);
         mls[(h2 * kMaxSplits + s3) * 2 + 1] = __uint_as_float(wl.x);
       }
-      if (e0 == 0) consumers_sync();
+      if (e0 == 0) {
+        consumers_sync();
+        tally(15, now<kTimed>() - tm);
+      }
       if (!mine) continue;
       const float* mh = mls + gh * kMaxSplits * 2;
       float mx = -INFINITY;
