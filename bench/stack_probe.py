@@ -286,8 +286,9 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     for label, sel in (("splits 1..", [i for i in range(items) if i % ns]), ("split 0 (merges)", list(range(0, items, ns)))):
         if sel:
             sub = st[sel]
-            log(f"  {label:<17} cycles a layer, mean over {len(sel)} SMs: "
-                + ", ".join(f"{dsc.STAT_NAMES[i]} {float(sub[:, i].mean()) / layers:.0f}" for i in (4, 8, 14, 15)))
+            log(f"  {label}, cycles a layer, mean over {len(sel)} SMs:")
+            for i in (4, 16, 17, 14, 15, 8):
+                log(f"    {dsc.STAT_NAMES[i]:<40} {float(sub[:, i].mean()) / layers:8.0f}")
     rows.append(dict(name="CUDA stack cycle counts", stat_names=list(dsc.STAT_NAMES),
                      mean=st.mean(0).tolist(), max=st.max(0).values.tolist(), min=st.min(0).values.tolist()))
 

@@ -41,12 +41,12 @@ _SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, 
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
-STATS = 16  # kStats: per-SM cycle counts a probe can ask for
+STATS = 18  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
               "polls for the residual (q|k|v)", "polls for q|k|v (the attention)", "polls for the heads (o)",
               "polls for the residual (gate|up)", "polls for the activation (down)", "attention", "consumers total",
               "row loads and norms", "stages", "stage arithmetic", "phase ends", "attention to its split's partial",
-              "split 0 polls for the partials")
+              "split 0 polls for the partials", "waits for the keys copied ahead", "attention's block loop")
 
 
 def _nvcc() -> str | None:

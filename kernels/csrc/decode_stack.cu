@@ -99,8 +99,9 @@ struct Params {
 // layer's down), A (q|k|v), O (the heads), G (o), D (gate|up), in the attention, total, in the
 // row loads and norms, stages consumed, in the stages' arithmetic (bytes landed to stage freed),
 // in the phase ends (the warps' last stages, row sums, stores), in the attention up to its
-// split's partial, polled for the other splits' partials (split 0)
-constexpr int kStats = 16;
+// split's partial, polled for the other splits' partials (split 0), waited for the keys copied
+// ahead, in the attention's block loop (scores, softmax, p.v)
+constexpr int kStats = 18;
 
 // ---- PTX helpers: mbarriers, bulk copies, LL words
 
@@ -606,6 +607,7 @@ struct Consumer {
     const long long ta = now<kTimed>();
     const Att a = att_setup(l, item);
     if (pre) cp_async_wait_all();  // (made visible to the other threads by the next block barrier)
+    tally(16, now<kTimed>() - ta);
     const int HD = p.HD, HALF = HD / 2, G = p.H / p.HKV, NS = p.NS;
     const int kvh = a.kvh, sp = a.sp, length = a.length, chunk = a.chunk, lo = a.lo, hi = a.hi;
     const int64_t pos = a.pos;
@@ -683,6 +685,7 @@ struct Consumer {
       }
       float m_i = -INFINITY, l_i = 0.f;  // warp g's head (lanes agree)
       float o[4] = {0.f, 0.f, 0.f, 0.f};  // thread's (head, dim) pairs tid, tid + 256, ...
+      const long long tb = now<kTimed>();
       for (int start = lo; start < hi; start += kKeys) {
         // the block's keys and values: from the cache, the own one from registers (the first
         // block, copied ahead, lacks only the own row)
@@ -741,6 +744,7 @@ struct Consumer {
         }
         consumers_sync();
       }
+      tally(17, now<kTimed>() - tb);
       // the split's partial (LL floats, its max and sum after it), or with one split the output
       const int prow = (kvh * G) * NS + sp;  // + gh * NS: the head's row of partials
       if (warp < G && lane == 0) {
@@ -857,7 +861,7 @@ struct Consumer {
       want = epoch * (uint32_t)p.L + (uint32_t)l + 1u;
       const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
       const bool attends = pid < nitem && p.mode < 2;  // (probe modes 2 and 3 skip the attention)
-      if (attends) att_prefetch(att_setup(l, pid));
+      if (attends && l == 0) att_prefetch(att_setup(0, pid));  // (later layers': after the attention before)
       // Q (an SM with no rows of a phase reads nothing of it: a row it waited for could already
       // be the next layer's)
       float xr[32], wr[32];
@@ -884,6 +888,9 @@ struct Consumer {
       if (attends) {
         long long t0 = now<kTimed>();
         for (int item = pid; item < nitem; item += P) attention(l, item, item == pid);
+        // the next layer's first block of keys, copied ahead a whole layer before its attention
+        // (its rows are earlier steps'; this layer's attention is done with the buffer)
+        if (l + 1 < p.L) att_prefetch(att_setup(l + 1, pid));
         tally(8, now<kTimed>() - t0);
       }
       // O
