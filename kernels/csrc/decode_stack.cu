@@ -360,6 +360,7 @@ struct Consumer {
   int tid, warp, lane, pid, P;
   RingPos at;  // the next stage to consume, as the producer's walk
   uint32_t want = 0;    // the LL flag of this step's current layer
+  int pos0 = 0, slot0 = 0;  // the step's position and cache slot (read once)
   bool broken = false;  // a poll of this thread's timed out (flagged): it waits no more
 
   __device__ void tally(int i, long long v) {
@@ -558,8 +559,8 @@ struct Consumer {
     const int HD = p.HD, G = p.H / p.HKV, NS = p.NS;
     a.kvh = item / NS;
     a.sp = item % NS;
-    a.pos = p.pos[0];
-    a.slot = p.slots[0];
+    a.pos = pos0;  // (read once at the step's start: a global load here is a round trip on the chain)
+    a.slot = slot0;
     a.length = (int)(a.pos + 1 < p.TMAX ? a.pos + 1 : p.TMAX);
     a.chunk = (a.length + NS - 1) / NS;
     a.lo = a.sp * a.chunk;
@@ -716,12 +717,15 @@ struct Consumer {
           float s = 0.f;
           for (int c = 0; c < HD; c += 8) {
             uint4 u = *reinterpret_cast<const uint4*>(kr + c);
+            const float4 q0 = *reinterpret_cast<const float4*>(qs + gh * HD + c);  // (a broadcast)
+            const float4 q1 = *reinterpret_cast<const float4*>(qs + gh * HD + c + 4);
+            const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
             const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
             for (int t = 0; t < 4; ++t) {
               float2 f = __bfloat1622float2(h[t]);
-              s = fmaf(qs[gh * HD + c + 2 * t], f.x, s);
-              s = fmaf(qs[gh * HD + c + 2 * t + 1], f.y, s);
+              s = fmaf(qv[2 * t], f.x, s);
+              s = fmaf(qv[2 * t + 1], f.y, s);
             }
           }
           s = start + lane < hi ? s * p.qk_scale : -INFINITY;
@@ -739,7 +743,14 @@ struct Consumer {
           int gh, d;
           if (!own_pair(t, G, HD, gh, d)) break;
           float a = o[t] * al[gh];
-          for (int j = 0; j < kKeys; ++j) a = fmaf(pb[gh * kKeys + j], __bfloat162float(vb[j * HD + d]), a);
+#pragma unroll 1
+          for (int j = 0; j < kKeys; j += 4) {
+            const float4 pj = *reinterpret_cast<const float4*>(pb + gh * kKeys + j);
+            a = fmaf(pj.x, __bfloat162float(vb[j * HD + d]), a);
+            a = fmaf(pj.y, __bfloat162float(vb[(j + 1) * HD + d]), a);
+            a = fmaf(pj.z, __bfloat162float(vb[(j + 2) * HD + d]), a);
+            a = fmaf(pj.w, __bfloat162float(vb[(j + 3) * HD + d]), a);
+          }
           o[t] = a;
         }
         consumers_sync();
@@ -854,6 +865,8 @@ struct Consumer {
     const int nitem = p.HKV * p.NS;
     // the step's epoch: every SM reads it here, and the last SM to finish advances it (below)
     const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(p.ctl);
+    pos0 = (int)p.pos[0];
+    slot0 = (int)p.slots[0];
     // thread r's register copies of the residual's rows 2r, 2r + 1 of the SM's o/down rows (at
     // most 2 kConsumers rows an SM: the launcher checks), so the phase ends do not read them back
     float2 resid = make_float2(0.f, 0.f);
