@@ -226,9 +226,7 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         ref = model._decode(step_x[:, None], pos, cache, slots)[:, 0].float()
     rk, rv = cache.k[:, :, :, p0].float(), cache.v[:, :, :, p0].float()
     model.stack = saved
-    variants = [dict(), dict(backoff=100), dict(backoff=300), dict(backoff=1000), dict(inflight=3),
-                dict(inflight=3, backoff=300), dict(balance=40), dict(balance=40, backoff=300), dict(splits=4),
-                dict(splits=12)]
+    variants = [dict(), dict(backoff=300), dict(inflight=3), dict(balance=40), dict(splits=4), dict(splits=12)]
     for kw in variants:
         ns, stages = kw.get("splits"), kw.get("stages")
 
