@@ -270,8 +270,8 @@ struct Ring {
 // read the clock on every stage; the first build, without them, was ~5 % faster against the
 // layer path timed in the same call.
 template <bool kTimed>
-__device__ __forceinline__ long long now() {
-  if constexpr (kTimed) return clock64();
+__device__ __forceinline__ uint32_t now() {  // (32 bits: one register; differences wrap safely)
+  if constexpr (kTimed) return (uint32_t)clock();
   return 0;
 }
 
@@ -322,12 +322,13 @@ __device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
   // one lane issues every copy; g counts the step's stages
   uint32_t g = 0;
   RingPos at, back;  // the stage to fill; the stage `inflight` copies back
-  long long t_start = now<kTimed>(), waited = 0;
+  const uint32_t t_start = now<kTimed>();
+  long long waited = 0;
   Walk walk(p, pid, P);
   const __nv_bfloat16* src;
   uint32_t bytes;
   while (walk.next(src, bytes)) {
-    long long t0 = now<kTimed>();
+    uint32_t t0 = now<kTimed>();
     if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
       // Little's law: every SM with its whole ring in flight fills the memory system's queues,
       // and every read on the critical path (the attention's, the polls) waits behind them.
@@ -363,7 +364,7 @@ struct Consumer {
   int pos0 = 0, slot0 = 0;  // the step's position and cache slot (read once)
   bool broken = false;  // a poll of this thread's timed out (flagged): it waits no more
 
-  __device__ void tally(int i, long long v) {
+  __device__ void tally(int i, uint32_t v) {
     if (kTimed && tid == 0) st[i] += v;
   }
 
@@ -493,10 +494,10 @@ struct Consumer {
   // 934 against 878 us a 1B step on the H100, the consumers holding two slots.)
   __device__ void stage(const Slice& s, int i, int base, const float (&xr)[32]) {
     const int slot = at.slot;
-    long long t0 = now<kTimed>();
+    uint32_t t0 = now<kTimed>();
     mbar_wait(&ring.full[at.slot], at.par);
     at.advance(ring.n);
-    long long t1 = now<kTimed>();
+    uint32_t t1 = now<kTimed>();
     tally(2, t1 - t0);
     tally(11, 1);
     if (s.rw < s.rows(i) && p.mode != 2) {  // (probe mode 2: the weights stream, nothing multiplies them)
@@ -604,16 +605,17 @@ struct Consumer {
     cp_async_commit();
   }
 
-  __device__ void attention(int l, int item, bool pre) {
-    const long long ta = now<kTimed>();
+  // The SM's attention item (kv head, split) of layer l: one an SM (the launcher checks HKV * NS <= P)
+  __device__ void attention(int l, int item) {
+    const uint32_t ta = now<kTimed>();
     const Att a = att_setup(l, item);
-    if (pre) cp_async_wait_all();  // (made visible to the other threads by the next block barrier)
+    cp_async_wait_all();  // (made visible to the other threads by the next block barrier)
     tally(16, now<kTimed>() - ta);
     const int HD = p.HD, HALF = HD / 2, G = p.H / p.HKV, NS = p.NS;
     const int kvh = a.kvh, sp = a.sp, length = a.length, chunk = a.chunk, lo = a.lo, hi = a.hi;
     const int64_t pos = a.pos;
     const int kstride = HD + 8;  // the key block's row stride (16-byte rows, no bank conflicts)
-    float *qs = a.qs, *cs = a.cs, *sn = a.sn, *kn = a.kn, *vn = a.vn, *pb = a.pb, *al = a.al;
+    float *qs = a.qs, *kn = a.kn, *vn = a.vn, *pb = a.pb, *al = a.al;
     __nv_bfloat16 *kb = a.kb, *vb = a.vb;
     const int64_t cbase = a.cbase;
     bool on = lo < hi;
@@ -629,7 +631,7 @@ struct Consumer {
         wa[it] = wb[it] = make_uint2(0, want);
       }
       const int ov = (p.H + p.HKV + kvh) * HD + tid;
-      const long long tq = now<kTimed>();
+      const uint32_t tq = now<kTimed>();
       for (uint32_t n = 0, ok = 0;; ++n) {
 #pragma unroll
         for (int it = 0; it < kRopeIt; ++it) {
@@ -654,29 +656,38 @@ struct Consumer {
         qb[it] = bf_at(wb[it].x, (oa[it] + HALF) & 1);
       }
       const float vd = bf_at(wv.x, ov & 1);
-      if (pre) consumers_sync();  // every thread's copies landed
-      for (int d = tid; d < HD; d += kConsumers) {
-        cs[d] = __bfloat162float(pre ? a.csb[d] : p.cos[pos * p.s_tab + d]);
-        sn[d] = __bfloat162float(pre ? a.csb[HD + d] : p.sin[pos * p.s_tab + d]);
-      }
-      consumers_sync();
+      consumers_sync();  // every thread's copies landed (the angle rows among them)
+      // The own key and value go straight into the copied block's row when it holds them (no
+      // separate pass over the block, no barrier for it).
+      const bool own_first = pos >= lo && pos < min(hi, lo + kKeys);
+      const int orow = (int)(pos - lo);
       // q of the G heads and (in the split that holds it) the own key, rotated as the rotary kernel does
 #pragma unroll
       for (int it = 0; it < kRopeIt; ++it) {
         const int e = tid + it * kConsumers, g2 = e / HALF, d = e % HALF;
         if (e >= (G + 1) * HALF) break;
-        const float a = qa[it], b = qb[it];
-        float o1 = bf(bf(a * cs[d]) - bf(b * sn[d]));
-        float o2 = bf(bf(b * cs[d + HALF]) + bf(a * sn[d + HALF]));
+        const float xa = qa[it], xb = qb[it];
+        const __nv_bfloat16 *ct = a.csb, *sn_ = a.csb + HD;  // (the angle rows, copied ahead)
+        const float c0 = __bfloat162float(ct[d]), c1 = __bfloat162float(ct[d + HALF]);
+        const float s0 = __bfloat162float(sn_[d]), s1 = __bfloat162float(sn_[d + HALF]);
+        float o1 = bf(bf(xa * c0) - bf(xb * s0));
+        float o2 = bf(bf(xb * c1) + bf(xa * s1));
         if (g2 < G) {
           qs[g2 * HD + d] = o1;
           qs[g2 * HD + d + HALF] = o2;
         } else {
           kn[d] = o1;
           kn[d + HALF] = o2;
+          if (own_first) {
+            kb[orow * kstride + d] = __float2bfloat16(o1);
+            kb[orow * kstride + d + HALF] = __float2bfloat16(o2);
+          }
         }
       }
-      if (tid < HD) vn[tid] = vd;
+      if (tid < HD) {
+        vn[tid] = vd;
+        if (own_first) vb[orow * HD + tid] = __float2bfloat16(vd);
+      }
       consumers_sync();
       if (pos >= lo && pos < hi) {  // this split holds the step's own key: into the cache
         for (int d = tid; d < HD; d += kConsumers) {
@@ -686,15 +697,14 @@ struct Consumer {
       }
       float m_i = -INFINITY, l_i = 0.f;  // warp g's head (lanes agree)
       float o[4] = {0.f, 0.f, 0.f, 0.f};  // thread's (head, dim) pairs tid, tid + 256, ...
-      const long long tb = now<kTimed>();
+      const uint32_t tb = now<kTimed>();
       for (int start = lo; start < hi; start += kKeys) {
         // the block's keys and values: from the cache, the own one from registers (the first
         // block, copied ahead, lacks only the own row)
-        const bool copied = pre && start == lo;
-        for (int e = tid; e < kKeys * (HD / 8); e += kConsumers) {
+        const bool copied = start == lo;  // (its own row, if any, is in: see own_first)
+        for (int e = tid; e < kKeys * (HD / 8) && !copied; e += kConsumers) {
           int j = e / (HD / 8), c = (e % (HD / 8)) * 8;
           int n = start + j;
-          if (copied && n != pos) continue;
           uint4 ku = make_uint4(0, 0, 0, 0), vu = make_uint4(0, 0, 0, 0);
           if (n < hi && n != pos) {
             ku = __ldcg(reinterpret_cast<const uint4*>(p.kc + cbase + n * p.sk_t + c));
@@ -711,7 +721,7 @@ struct Consumer {
           *reinterpret_cast<uint4*>(kb + j * kstride + c) = ku;
           *reinterpret_cast<uint4*>(vb + j * HD + c) = vu;
         }
-        consumers_sync();
+        if (!copied) consumers_sync();
         for (int gh = warp; gh < G; gh += kConsumerWarps) {  // warp gh: head gh, lane j: key j
           const __nv_bfloat16* kr = kb + lane * kstride;
           float s = 0.f;
@@ -766,7 +776,7 @@ struct Consumer {
         }
         al[warp] = l_i;
       }
-      consumers_sync();
+      if (NS == 1) consumers_sync();  // (al, the denominators; each split's partial is the thread's own)
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         int gh, d;
@@ -786,7 +796,7 @@ struct Consumer {
     }
     tally(14, now<kTimed>() - ta);
     if (sp != 0) return;
-    const long long tm = now<kTimed>();
+    const uint32_t tm = now<kTimed>();
     // Split 0 merges the kv head's partials, polled as LL words: the splits' (max, sum) pairs
     // into shared memory (pb: G * kKeys >= G * kMaxSplits * 2 floats, the keys' p are used), the
     // thread's partials into registers; every load in flight at once.
@@ -852,7 +862,7 @@ struct Consumer {
   __device__ float* a_qs() const { return xs; }  // Att::qs
 
   __device__ void run() {
-    long long t_start = now<kTimed>();
+    uint32_t t_start = now<kTimed>();
     run_layers();
     if (kTimed && tid == 0) {
       st[9] = now<kTimed>() - t_start;
@@ -881,26 +891,26 @@ struct Consumer {
       const Slice sq = sl(l, 0);
       if (sq.n > 0) {
         load_x(nw, p.DIM, wr);  // (no earlier kernel or phase writes the weights: before the rows)
-        long long t0 = now<kTimed>();
+        uint32_t t0 = now<kTimed>();
         if (l == 0) {
           load_x(p.x, p.DIM, xr);
         } else {
           load_x_ll(p.resd, p.DIM, want - 1u, xr);  // (the previous layer's down)
         }
-        long long tn = now<kTimed>();
+        uint32_t tn = now<kTimed>();
         tally(3, tn - t0);
         norm_x(wr, p.DIM, xr);
         tally(10, now<kTimed>() - tn);
       }
       slice_stages(sq, 0, xr);
-      long long te = now<kTimed>();
+      uint32_t te = now<kTimed>();
       consumers_sync();
       put_rows(p.qkv, sq, [&](int r) { return row_sum(sq, 0, r); });
       tally(13, now<kTimed>() - te);
       // A
       if (attends) {
-        long long t0 = now<kTimed>();
-        for (int item = pid; item < nitem; item += P) attention(l, item, item == pid);
+        uint32_t t0 = now<kTimed>();
+        attention(l, pid);
         // the next layer's first block of keys, copied ahead a whole layer before its attention
         // (its rows are earlier steps'; this layer's attention is done with the buffer)
         if (l + 1 < p.L) att_prefetch(att_setup(l + 1, pid));
@@ -909,7 +919,7 @@ struct Consumer {
       // O
       const Slice so = sl(l, 1);
       if (so.n > 0) {
-        long long t0 = now<kTimed>();
+        uint32_t t0 = now<kTimed>();
         load_x_ll(p.attn, hhd, want, xr);
         tally(5, now<kTimed>() - t0);
       }
@@ -928,9 +938,9 @@ struct Consumer {
       const Slice sg = sl(l, 2), su = sl(l, 3);
       if (sg.n > 0) {
         load_x(nw + p.DIM, p.DIM, wr);
-        long long t0 = now<kTimed>();
+        uint32_t t0 = now<kTimed>();
         load_x_ll(p.reso, p.DIM, want, xr);
-        long long tn = now<kTimed>();
+        uint32_t tn = now<kTimed>();
         tally(6, tn - t0);
         norm_x(wr, p.DIM, xr);
         tally(10, now<kTimed>() - tn);
@@ -952,7 +962,7 @@ struct Consumer {
       if (l == p.L - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       const Slice sd = sl(l, 4);
       if (sd.n > 0) {
-        long long t0 = now<kTimed>();
+        uint32_t t0 = now<kTimed>();
         load_x_ll(p.act, p.I, want, xr);
         tally(7, now<kTimed>() - t0);
       }
