@@ -536,13 +536,14 @@ struct Consumer {
     return a;
   }
 
-  // An attention item (kv head, split) and its scratch in xs: q [G, HD], cos/sin rows [2 HD], own
-  // k and v [2 HD], p [G, kKeys], alpha [G], keys [kKeys, HD + 8] and values [kKeys, HD] (bf16),
-  // the cos/sin rows as bf16 [2 HD] (copied ahead)
+  // An attention item (kv head, split) and its scratch in xs: q [G, HD], [2 HD] unused (the
+  // angle rows in float32 until 99ed833; kept so the layout is the one timed), own k and v [2 HD],
+  // p [G, kKeys], alpha [G], keys [kKeys, HD + 8] and values [kKeys, HD] (bf16), the cos/sin rows
+  // as bf16 [2 HD] (copied ahead)
   struct Att {
     int kvh, sp, length, chunk, lo, hi;
     int64_t pos, slot, cbase;
-    float *qs, *cs, *sn, *kn, *vn, *pb, *al;
+    float *qs, *kn, *vn, *pb, *al;
     __nv_bfloat16 *kb, *vb, *csb;
   };
 
@@ -568,9 +569,7 @@ struct Consumer {
     a.hi = min(a.lo + a.chunk, a.length);
     a.cbase = l * p.sk_l + a.slot * p.sk_s + a.kvh * p.sk_h;
     a.qs = xs;
-    a.cs = a.qs + G * HD;
-    a.sn = a.cs + HD;
-    a.kn = a.sn + HD;
+    a.kn = a.qs + G * HD + 2 * HD;
     a.vn = a.kn + HD;
     a.pb = a.vn + HD;
     a.al = a.pb + G * kKeys;
