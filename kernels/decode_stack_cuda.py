@@ -205,7 +205,8 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
     ``inflight`` caps the weight copies in flight an SM (default ``INFLIGHT``; 0: the whole ring).
     ``balance`` >= 0 splits every GEMV's rows by weight, that many per mille fewer for the SMs that
-    also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed). ``backoff``: ns a
+    also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed; both round to row
+    pairs, see ``row_start``). ``backoff``: ns a
     poll for another SM's rows sleeps before it polls again (default ``BACKOFF``).
 
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see

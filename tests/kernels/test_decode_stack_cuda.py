@@ -146,7 +146,7 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
     near the end) and split counts (12: more splits than keys in most), for a Llama layout and
     the CSM depth decoder's (head dim 128), against the same step in float32: the output and the step's
     K/V rows are as close to it as the bf16 layer-by-layer kernels' are (other summation orders,
-    same roundings), the other cache rows are untouched, and no counter timed out."""
+    same roundings), the other cache rows are untouched, and no poll timed out."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
     model, m32 = _pair(cfg)
