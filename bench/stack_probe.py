@@ -311,6 +311,9 @@ def main() -> int:
     ap.add_argument("--ncu", action="store_true",
                     help="for Nsight Compute: run the served stack step and the layer-by-layer step a few times "
                          "each (no timing, no graphs) and exit, e.g. ncu -k regex:_stack_kernel -c 1 ...")
+    ap.add_argument("--ncu-cuda", action="store_true",
+                    help="for Nsight Compute: warm CUDA C++ stack steps, then one in the NVTX range 'cuda_stack', "
+                         "and exit (build it with REALTIME_CUDA_LINEINFO=1 for per-line source counters)")
     args = ap.parse_args()
     if args.plot_cuda:  # no GPU needed
         png = Path(args.out).with_suffix(".png")
@@ -359,6 +362,17 @@ def main() -> int:
     def stack(**kw):  # noqa: ANN003, ANN202
         return lambda: ds.decode_stack(w, step_x, pos, cache.k, cache.v, slots, cos, sin, **kw)
 
+    if args.ncu_cuda:  # the CUDA C++ stack's step for a profiler (see bench/h200_stack.sh, part ncu_cuda)
+        from realtime.kernels import decode_stack_cuda as dsc
+
+        for _ in range(3):  # the build, the scratch, warm caches: outside the profiled range
+            dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin)
+        torch.cuda.synchronize()
+        with torch.cuda.nvtx.range("cuda_stack"):  # ncu --nvtx --nvtx-include cuda_stack/
+            dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin)
+        torch.cuda.synchronize()
+        log(f"ncu-cuda mode: warm steps, then one CUDA stack step (NVTX 'cuda_stack'); poll timeouts {dsc.errors(w)}")
+        return 0
     if args.ncu:  # the kernels a profiler attaches to: stack steps, then layer-by-layer steps
         for _ in range(2):  # warm (compiles, GEMV choices) outside the profiled ranges
             stack()()

@@ -85,7 +85,10 @@ def build(arch: str = "90") -> ctypes.CDLL:
     nvcc = _nvcc()
     check(nvcc is not None, "decode_stack_cuda needs nvcc (the CUDA toolkit) to build its kernel")
     src = _SRC.read_bytes()
-    key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
+    # REALTIME_CUDA_LINEINFO=1: source line tables in the build, for a profiler's per-line counters
+    # (same code; its own cache file)
+    flags = ["-lineinfo"] if os.environ.get("REALTIME_CUDA_LINEINFO", "0") == "1" else []
+    key = hashlib.sha256(src + arch.encode() + " ".join(flags).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"decode_stack_{key}_sm{arch}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +96,7 @@ def build(arch: str = "90") -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
             cmd = [nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
-                   "-Xcompiler", "-fPIC", "-o", str(out), str(_SRC)]
+                   "-Xcompiler", "-fPIC", *flags, "-o", str(out), str(_SRC)]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode:
                 raise RuntimeError(f"nvcc failed to build {_SRC.name}:\n{res.stderr[-4000:]}")
