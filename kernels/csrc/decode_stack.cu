@@ -59,8 +59,9 @@ constexpr unsigned kSpinLimit = 1u << 20;  // polls (~1 s) before a wait gives u
 // 8 bytes {data, flag}, written by one 8-byte store, so a reader that sees the flag it expects has
 // the data with it. A reader polls the words themselves: one round trip to L2 from the moment the
 // data lands, where a counter costs two (the counter, then the data). The flag is the step's
-// epoch * L + layer + 1: each buffer is written once a layer, so a stale word never matches.
-// data: two bf16 (the row pair 2w, 2w + 1), or one float (the attention's partials).
+// epoch * L + layer + 1: each buffer is written once a layer, so a stale word never matches
+// (a 32-bit flag repeats after 2^32 / L steps, ~270 million at L = 16; every buffer has been
+// rewritten by then). data: two bf16 (the row pair 2w, 2w + 1), or one float (the partials).
 struct Params {
   const __nv_bfloat16* x;  // [DIM] the step's input row
   __nv_bfloat16* out;      // [DIM] final-norm output
