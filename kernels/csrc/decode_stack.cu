@@ -240,7 +240,6 @@ __device__ __forceinline__ Slice slice(const __nv_bfloat16* w, int N, int K, int
   return Slice{w, row0, n, K, kStageElems / K};
 }
 
-// The SM's slices of layer l: 0 q|k|v, 1 o, 2 gate, 3 up (gate and up stages alternate), 4 down.
 // The SM's slice k of layer l: 0 q|k|v, 1 o, 2 gate, 3 up (gate and up stages alternate), 4 down.
 __device__ __forceinline__ Slice layer_slice(const Params& p, int l, int k, int pid, int P) {
   const int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
@@ -529,11 +528,10 @@ struct Consumer {
     for (int i = 0; i < s.stages(); ++i) stage(s, i, base, xr);
   }
 
-  // the slice's rows, each the sum of its segments' partials (after the stages and a sync)
+  // the (seated) slice's rows, each the sum of its segments' partials (after the stages and a sync)
   __device__ float row_sum(const Slice& s, int base, int r) const {
-    int segs = s.K / kSeg;
     float a = 0.f;
-    for (int j = 0; j < segs; ++j) a += parts[base + r * segs + j];
+    for (int j = 0; j < s.segs; ++j) a += parts[base + r * s.segs + j];
     return a;
   }
 
@@ -581,9 +579,9 @@ struct Consumer {
   }
 
   // The item's first block of keys and values that earlier steps wrote (positions < pos) and its
-  // angle rows, copied into shared memory asynchronously at the layer's start: under the weight
-  // stream an HBM read waits microseconds, and none of these depends on this layer's q|k|v.
-  // Rows from pos on are zeroed (the own row is put in after q|k|v).
+  // angle rows, copied into shared memory asynchronously a layer ahead (layer 0's at the step's
+  // start): under the weight stream an HBM read waits microseconds, and none of these depends on
+  // this step's q|k|v. Rows from pos on are zeroed (the own row is put in during RoPE).
   __device__ void att_prefetch(const Att& a) {
     if (a.lo >= a.hi) return;
     const int HD = p.HD, kstride = HD + 8, cpr = HD / 8;
@@ -699,9 +697,9 @@ struct Consumer {
       float o[4] = {0.f, 0.f, 0.f, 0.f};  // thread's (head, dim) pairs tid, tid + 256, ...
       const uint32_t tb = now<kTimed>();
       for (int start = lo; start < hi; start += kKeys) {
-        // the block's keys and values: from the cache, the own one from registers (the first
-        // block, copied ahead, lacks only the own row)
-        const bool copied = start == lo;  // (its own row, if any, is in: see own_first)
+        // the block's keys and values: the first block was copied ahead (its own row, if any, put
+        // in during RoPE: see own_first); later ones from the cache, the own row from kn, vn
+        const bool copied = start == lo;
         for (int e = tid; e < kKeys * (HD / 8) && !copied; e += kConsumers) {
           int j = e / (HD / 8), c = (e % (HD / 8)) * 8;
           int n = start + j;
@@ -852,14 +850,24 @@ struct Consumer {
     put_heads(kvh);
   }
 
-  // the kv head's G heads of output (float in qs) as LL words of bf16 pairs
+  // the kv head's G heads of output (float, staged in Att::qs: the start of xs) as LL words of
+  // bf16 pairs
   __device__ void put_heads(int kvh) {
     const int n = p.H / p.HKV * p.HD;
     consumers_sync();
-    for (int w = tid; w < n / 2; w += kConsumers)
-      st_ll(p.attn + kvh * n / 2 + w, pack_bf2(a_qs()[2 * w], a_qs()[2 * w + 1]), want);
+    for (int w = tid; w < n / 2; w += kConsumers) st_ll(p.attn + kvh * n / 2 + w, pack_bf2(xs[2 * w], xs[2 * w + 1]), want);
   }
-  __device__ float* a_qs() const { return xs; }  // Att::qs
+
+  // The residual's rows 2 tid, 2 tid + 1 of slice s (o or down: the same rows) plus their sums,
+  // handed over at dst and kept in resid; from_x: the residual is still the step's input row
+  __device__ void add_residual(uint2* dst, const Slice& s, bool from_x, float2& resid) {
+    if (2 * tid >= s.n) return;
+    const int r = 2 * tid;
+    const float b0 = from_x ? __bfloat162float(p.x[s.row0 + r]) : resid.x;
+    const float b1 = from_x ? __bfloat162float(p.x[s.row0 + r + 1]) : resid.y;
+    resid = make_float2(bf(bf(row_sum(s, 0, r)) + b0), bf(bf(row_sum(s, 0, r + 1)) + b1));
+    st_ll(dst + s.row0 / 2 + tid, pack_bf2(resid.x, resid.y), want);
+  }
 
   __device__ void run() {
     uint32_t t_start = now<kTimed>();
@@ -926,13 +934,7 @@ struct Consumer {
       slice_stages(so, 0, xr);
       te = now<kTimed>();
       consumers_sync();
-      if (2 * tid < so.n) {  // the o and down rows are the same rows: thread r keeps rows 2r, 2r + 1
-        const int r = 2 * tid;
-        const float b0 = l == 0 ? __bfloat162float(p.x[so.row0 + r]) : resid.x;
-        const float b1 = l == 0 ? __bfloat162float(p.x[so.row0 + r + 1]) : resid.y;
-        resid = make_float2(bf(bf(row_sum(so, 0, r)) + b0), bf(bf(row_sum(so, 0, r + 1)) + b1));
-        st_ll(p.reso + so.row0 / 2 + tid, pack_bf2(resid.x, resid.y), want);
-      }
+      add_residual(p.reso, so, l == 0, resid);
       tally(13, now<kTimed>() - te);
       // G
       const Slice sg = sl(l, 2), su = sl(l, 3);
@@ -969,11 +971,7 @@ struct Consumer {
       slice_stages(sd, 0, xr);
       te = now<kTimed>();
       consumers_sync();
-      if (2 * tid < sd.n) {
-        const int r = 2 * tid;
-        resid = make_float2(bf(bf(row_sum(sd, 0, r)) + resid.x), bf(bf(row_sum(sd, 0, r + 1)) + resid.y));
-        st_ll(p.resd + sd.row0 / 2 + tid, pack_bf2(resid.x, resid.y), want);
-      }
+      add_residual(p.resd, sd, false, resid);
       tally(13, now<kTimed>() - te);
     }
     if (pid == 0) {  // the final norm of the last layer's residual rows
