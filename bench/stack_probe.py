@@ -226,7 +226,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         ref = model._decode(step_x[:, None], pos, cache, slots)[:, 0].float()
     rk, rv = cache.k[:, :, :, p0].float(), cache.v[:, :, :, p0].float()
     model.stack = saved
-    variants = [dict(), dict(backoff=300), dict(inflight=3), dict(balance=40), dict(splits=4), dict(splits=12)]
+    variants = [dict()] if args.lean else [dict(), dict(backoff=300), dict(inflight=3), dict(balance=40),
+                                           dict(splits=4), dict(splits=12)]
     for kw in variants:
         ns, stages = kw.get("splits"), kw.get("stages")
 
@@ -304,6 +305,8 @@ def main() -> int:
     ap.add_argument("--no-trace", action="store_true", help="with --quick: no traced steps")
     ap.add_argument("--cuda-only", action="store_true",
                     help="only the layer path, the Triton stack as served and the CUDA C++ stack's rows")
+    ap.add_argument("--lean", action="store_true",
+                    help="with --cuda-only: the CUDA stack as served, its probe modes and cycle counts (no variants)")
     ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--plot-cuda", metavar="JSON", nargs="+",

@@ -84,7 +84,10 @@ def build(arch: str = "90") -> ctypes.CDLL:
     """Compile (once per source and architecture) and load the kernel's library."""
     nvcc = _nvcc()
     check(nvcc is not None, "decode_stack_cuda needs nvcc (the CUDA toolkit) to build its kernel")
-    src = _SRC.read_bytes()
+    # REALTIME_CUDA_SRC: another copy of the source, for a probe's A/B of two versions in one device
+    # call (same launcher ABI only: the library's entry points are called as this file declares them)
+    path = Path(os.environ.get("REALTIME_CUDA_SRC") or _SRC)
+    src = path.read_bytes()
     # REALTIME_CUDA_LINEINFO=1: source line tables in the build, for a profiler's per-line counters
     # (same code; its own cache file)
     flags = ["-lineinfo"] if os.environ.get("REALTIME_CUDA_LINEINFO", "0") == "1" else []
@@ -92,14 +95,14 @@ def build(arch: str = "90") -> ctypes.CDLL:
     lib = _cache_dir() / f"decode_stack_{key}_sm{arch}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
-        print(f"realtime: building {_SRC.name} for sm_{arch} with nvcc (once, a few seconds)", file=sys.stderr, flush=True)
+        print(f"realtime: building {path.name} for sm_{arch} with nvcc (once, a few seconds)", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = Path(tmp) / lib.name
             cmd = [nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
-                   "-Xcompiler", "-fPIC", *flags, "-o", str(out), str(_SRC)]
+                   "-Xcompiler", "-fPIC", *flags, "-o", str(out), str(path)]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode:
-                raise RuntimeError(f"nvcc failed to build {_SRC.name}:\n{res.stderr[-4000:]}")
+                raise RuntimeError(f"nvcc failed to build {path.name}:\n{res.stderr[-4000:]}")
             os.replace(out, lib)  # atomic: a concurrent build of the same key lands one file
     dll = ctypes.CDLL(str(lib))
     dll.realtime_stack_launch.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float),

@@ -212,9 +212,9 @@ __host__ __device__ inline int xs_floats(int dim, int hhd, int inter, int g, int
 
 struct Slice {  // rows [row0, row0 + n) of a weight [N, K]
   const __nv_bfloat16* w;
-  int row0, n, K, rps;  // rps: rows a stage
+  int row0, n, K, rps, nst;  // rps: rows a stage; nst: stages (worked out once: a division)
   int rw = 0, seg = 0, segs = 0;  // a consumer warp's row in each stage and segment of it (Consumer::seat)
-  __device__ int stages() const { return n > 0 ? (n + rps - 1) / rps : 0; }
+  __device__ int stages() const { return nst; }
   __device__ const __nv_bfloat16* src(int s) const { return w + (int64_t)(row0 + s * rps) * K; }
   __device__ int rows(int s) const { return min(rps, n - s * rps); }
 };
@@ -233,30 +233,49 @@ __device__ __forceinline__ Slice slice(const __nv_bfloat16* w, int N, int K, int
     r += r & 1;  // (rows go out in LL words of two: every SM's rows start even)
     int row0 = min(N, pid * r);
     int n = max(0, min(r, N - row0));
-    return Slice{w, row0, n, K, kStageElems / K};
+    return Slice{w, row0, n, K, kStageElems / K, (n + kStageElems / K - 1) / (kStageElems / K)};
   }
   int row0 = (int)(row_start(N, pid, P, nitem, balance) & ~1LL);
   int n = (int)(row_start(N, pid + 1, P, nitem, balance) & ~1LL) - row0;
-  return Slice{w, row0, n, K, kStageElems / K};
+  return Slice{w, row0, n, K, kStageElems / K, (n + kStageElems / K - 1) / (kStageElems / K)};
 }
 
-// The SM's slice k of layer l: 0 q|k|v, 1 o, 2 gate, 3 up (gate and up stages alternate), 4 down.
-__device__ __forceinline__ Slice layer_slice(const Params& p, int l, int k, int pid, int P) {
+// The SM's rows [row0, row0 + n) of weight k (0 q|k|v, 1 o, 2 gate, 3 up, 4 down): the same every
+// layer, so worked out once a step (the 64-bit divisions) into shared memory, where the producer's
+// walk and the consumers' phases read them.
+struct alignas(8) Rows {  // (the ring's mbarriers follow it)
+  int row0[5], n[5], nst[5];
+};
+
+__device__ __forceinline__ void fill_rows(const Params& p, int pid, int P, int k, Rows* r) {  // thread k < 5: weight k
   const int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
-  const int ni = p.HKV * p.NS, b = p.balance;
-  const __nv_bfloat16* g = p.wgu + (int64_t)l * 2 * p.I * p.DIM;
-  switch (k) {
-    case 0: return slice(p.wqkv + (int64_t)l * nqkv * p.DIM, nqkv, p.DIM, pid, P, ni, b);
-    case 1: return slice(p.wo + (int64_t)l * p.DIM * hhd, p.DIM, hhd, pid, P, ni, b);
-    case 2: return slice(g, p.I, p.DIM, pid, P, ni, b);
-    case 3: return slice(g + (int64_t)p.I * p.DIM, p.I, p.DIM, pid, P, ni, b);
-    default: return slice(p.wd + (int64_t)l * p.DIM * p.I, p.DIM, p.I, pid, P, ni, b);
-  }
+  const int N = k == 0 ? nqkv : k == 1 || k == 4 ? p.DIM : p.I;
+  const int K = k == 1 ? hhd : k == 4 ? p.I : p.DIM;
+  const Slice s = slice(nullptr, N, K, pid, P, p.HKV * p.NS, p.balance);
+  r->row0[k] = s.row0;
+  r->n[k] = s.n;
+  r->nst[k] = s.nst;
 }
 
-__device__ __forceinline__ void layer_slices(const Params& p, int l, int pid, int P, Slice* s) {
-#pragma unroll
-  for (int k = 0; k < 5; ++k) s[k] = layer_slice(p, l, k, pid, P);
+// The SM's slice k of layer l (gate and up stages alternate)
+__device__ __forceinline__ Slice layer_slice(const Params& p, const Rows* r, int l, int k) {
+  const int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
+  const __nv_bfloat16* w;
+  int K;
+  if (k == 0) {
+    w = p.wqkv + (int64_t)l * nqkv * p.DIM;
+    K = p.DIM;
+  } else if (k == 1) {
+    w = p.wo + (int64_t)l * p.DIM * hhd;
+    K = hhd;
+  } else if (k == 4) {
+    w = p.wd + (int64_t)l * p.DIM * p.I;
+    K = p.I;
+  } else {
+    w = p.wgu + ((int64_t)l * 2 + (k - 2)) * p.I * p.DIM;
+    K = p.DIM;
+  }
+  return Slice{w, r->row0[k], r->n[k], K, kStageElems / K, r->nst[k]};
 }
 
 struct Ring {
@@ -291,18 +310,17 @@ struct RingPos {
 // its q|k|v stages, o, gate and up alternating, then down.
 struct Walk {
   const Params& p;
-  int pid, P;
+  const Rows* r;
   int l = 0, ph = 0, i = 0;  // ph: 0 q|k|v, 1 o, 2 gate|up, 3 down
-  Slice s[5];
-  __device__ Walk(const Params& p_, int pid_, int P_) : p(p_), pid(pid_), P(P_) { layer_slices(p, 0, pid, P, s); }
+  Slice c;                   // the phase's slice (gate's in phase 2: up's rows and stride follow)
+  __device__ Walk(const Params& p_, const Rows* r_) : p(p_), r(r_) { c = layer_slice(p, r, 0, 0); }
   // the next stage's source and bytes; false past the step's last stage
   __device__ bool next(const __nv_bfloat16*& src, uint32_t& bytes) {
     while (l < p.L) {
-      // (named picks, not s[k] with a runtime k: that would put s in local memory)
-      const Slice c = ph == 0 ? s[0] : ph == 1 ? s[1] : ph == 3 ? s[4] : (i & 1) ? s[3] : s[2];
       const int k = ph == 2 ? i >> 1 : i;
       if (k < c.stages()) {
-        src = c.src(k);
+        // (gate and up: the same rows and K, up's rows p.I * K elements after gate's)
+        src = c.src(k) + (ph == 2 && (i & 1) ? (int64_t)p.I * c.K : 0);
         bytes = (uint32_t)c.rows(k) * c.K * 2;
         ++i;
         return true;
@@ -310,21 +328,22 @@ struct Walk {
       i = 0;
       if (++ph == 4) {
         ph = 0;
-        if (++l < p.L) layer_slices(p, l, pid, P, s);
+        ++l;
       }
+      if (l < p.L) c = layer_slice(p, r, l, ph == 3 ? 4 : ph);
     }
     return false;
   }
 };
 
 template <bool kTimed>
-__device__ void produce(const Params& p, const Ring& ring, int pid, int P) {
+__device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int pid) {
   // one lane issues every copy; g counts the step's stages
   uint32_t g = 0;
   RingPos at, back;  // the stage to fill; the stage `inflight` copies back
   const uint32_t t_start = now<kTimed>();
   long long waited = 0;
-  Walk walk(p, pid, P);
+  Walk walk(p, rows);
   const __nv_bfloat16* src;
   uint32_t bytes;
   while (walk.next(src, bytes)) {
@@ -358,6 +377,7 @@ struct Consumer {
   float* parts;  // [kMaxParts] per-warp partial sums of the phase's rows
   float* red;    // [kConsumerWarps] block reductions (the norms' sums of squares)
   long long* st;  // [kStats] thread 0's cycle counts (stats), in shared memory
+  const Rows* rows;  // the SM's rows of each weight (shared memory)
   int tid, warp, lane, pid, P;
   RingPos at;  // the next stage to consume, as the producer's walk
   uint32_t want = 0;    // the LL flag of this step's current layer
@@ -467,7 +487,9 @@ struct Consumer {
     if (lane == 0) red[warp] = ss;
     consumers_sync();
     float tot = 0.f;
-    for (int i = 0; i < K / kSeg; ++i) tot += red[i];
+#pragma unroll
+    for (int i = 0; i < kConsumerWarps; ++i)  // (K / kSeg <= 8 warps' sums, in order)
+      if (i < K / kSeg) tot += red[i];
     const float rstd = rsqrtf(tot / K + p.eps);
 #pragma unroll
     for (int i = 0; i < 32; ++i) xr[i] = bf(bf(xr[i] * rstd) * wr[i]);
@@ -475,7 +497,7 @@ struct Consumer {
 
   // the SM's slice k of layer l, seated (see layer_slice)
   __device__ Slice sl(int l, int k) const {
-    Slice s = layer_slice(p, l, k, pid, P);
+    Slice s = layer_slice(p, rows, l, k);
     seat(s);
     return s;
   }
@@ -525,13 +547,18 @@ struct Consumer {
   }
 
   __device__ void slice_stages(const Slice& s, int base, const float (&xr)[32]) {
-    for (int i = 0; i < s.stages(); ++i) stage(s, i, base, xr);
+    const int n = s.stages();  // (a local: the stages' asm clobbers memory, s is re-read past them)
+    for (int i = 0; i < n; ++i) stage(s, i, base, xr);
   }
 
   // the (seated) slice's rows, each the sum of its segments' partials (after the stages and a sync)
   __device__ float row_sum(const Slice& s, int base, int r) const {
+    // (segs is 1, 2, 4 or 8: the loads are issued together, the sum in segment order)
+    const float* q = parts + base + r * s.segs;
     float a = 0.f;
-    for (int j = 0; j < s.segs; ++j) a += parts[base + r * s.segs + j];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < s.segs) a += q[j];
     return a;
   }
 
@@ -585,6 +612,7 @@ struct Consumer {
   __device__ void att_prefetch(const Att& a) {
     if (a.lo >= a.hi) return;
     const int HD = p.HD, kstride = HD + 8, cpr = HD / 8;
+    #pragma unroll 1
     for (int e = tid; e < kKeys * cpr; e += kConsumers) {
       int j = e / cpr, c = (e % cpr) * 8;
       int64_t n = a.lo + j;
@@ -596,6 +624,7 @@ struct Consumer {
         *reinterpret_cast<uint4*>(a.vb + j * HD + c) = make_uint4(0, 0, 0, 0);
       }
     }
+    #pragma unroll 1
     for (int e = tid; e < 2 * cpr; e += kConsumers) {
       const __nv_bfloat16* src = (e < cpr ? p.cos : p.sin) + a.pos * p.s_tab + (e % cpr) * 8;
       cp_async16(a.csb + e * 8, src);
@@ -688,6 +717,7 @@ struct Consumer {
       }
       consumers_sync();
       if (pos >= lo && pos < hi) {  // this split holds the step's own key: into the cache
+        #pragma unroll 1
         for (int d = tid; d < HD; d += kConsumers) {
           p.kc[cbase + pos * p.sk_t + d] = __float2bfloat16(kn[d]);
           p.vc[cbase + pos * p.sk_t + d] = __float2bfloat16(vn[d]);
@@ -855,6 +885,7 @@ struct Consumer {
   __device__ void put_heads(int kvh) {
     const int n = p.H / p.HKV * p.HD;
     consumers_sync();
+    #pragma unroll 1
     for (int w = tid; w < n / 2; w += kConsumers) st_ll(p.attn + kvh * n / 2 + w, pack_bf2(xs[2 * w], xs[2 * w + 1]), want);
   }
 
@@ -948,7 +979,8 @@ struct Consumer {
         tally(10, now<kTimed>() - tn);
       }
       const int up = sg.n * (p.DIM / kSeg);
-      for (int i = 0; i < sg.stages(); ++i) {
+      const int ng = sg.stages();
+      for (int i = 0; i < ng; ++i) {
         stage(sg, i, 0, xr);
         stage(su, i, up, xr);
       }
@@ -976,6 +1008,7 @@ struct Consumer {
     }
     if (pid == 0) {  // the final norm of the last layer's residual rows
       norm_into_xs(p.resd, p.fnorm);
+      #pragma unroll 1
       for (int k = tid; k < p.DIM; k += kConsumers) p.out[k] = __float2bfloat16(xs[k]);
     }
     // The last SM done advances the epoch: every SM has read it by then, and the next step (the
@@ -1003,8 +1036,10 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   long long* st = reinterpret_cast<long long*>(red + kConsumerWarps + 8);  // (8-byte aligned)
   if (kTimed && tid == 0)
     for (int i = 0; i < kStats; ++i) st[i] = 0;
-  ring.full = reinterpret_cast<uint64_t*>(st + kStats);
+  Rows* rows = reinterpret_cast<Rows*>(st + kStats);
+  ring.full = reinterpret_cast<uint64_t*>(rows + 1);
   ring.empty = ring.full + ring.n;
+  if (tid < 5) fill_rows(p, pid, P, tid, rows);
   if (tid == 0) {
     for (int i = 0; i < ring.n; ++i) {
       mbar_init(&ring.full[i], 1);
@@ -1014,11 +1049,11 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   }
   __syncthreads();
   if (warp == kConsumerWarps) {  // the producer: weights only, which no earlier kernel writes
-    if (lane == 0) produce<kTimed>(p, ring, pid, P);
+    if (lane == 0) produce<kTimed>(p, ring, rows, pid);
     return;
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before has finished (x, pos, caches)
-  Consumer<kTimed> c{p, ring, xs, parts, red, st, tid, warp, lane, pid, P};
+  Consumer<kTimed> c{p, ring, xs, parts, red, st, rows, tid, warp, lane, pid, P};
   c.run();
 }
 
@@ -1028,7 +1063,8 @@ extern "C" {
 
 // Shared memory a block needs beside its ring of stages.
 int realtime_stack_fixed_smem(int dim, int hhd, int inter, int g, int hd) {
-  return (xs_floats(dim, hhd, inter, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + kStats * 8;
+  return (xs_floats(dim, hhd, inter, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + kStats * 8 +
+         (int)sizeof(Rows);
 }
 
 int realtime_stack_stage_bytes() { return kStageBytes; }
