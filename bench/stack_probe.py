@@ -228,6 +228,10 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     model.stack = saved
     variants = [dict()] if args.lean else [dict(), dict(backoff=300), dict(inflight=3), dict(balance=40),
                                            dict(splits=4), dict(splits=12)]
+    most = dsc.ring_stages(w, step_x.device)
+    log(f"CUDA stack: {most} ring stages of 16 KB fit an SM (the default)")
+    if args.stage_scan:  # the ring's size: as many stages as fit, then fewer
+        variants += [dict(stages=n) for n in (most - 1, most - 2, most - 4) if n >= 2]
     for kw in variants:
         ns, stages = kw.get("splits"), kw.get("stages")
 
@@ -307,6 +311,8 @@ def main() -> int:
                     help="only the layer path, the Triton stack as served and the CUDA C++ stack's rows")
     ap.add_argument("--lean", action="store_true",
                     help="with --cuda-only: the CUDA stack as served, its probe modes and cycle counts (no variants)")
+    ap.add_argument("--stage-scan", action="store_true",
+                    help="CUDA stack rows with 1, 2 and 4 ring stages fewer than fit")
     ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")
     ap.add_argument("--plot", metavar="JSON", help="only plot a probe result's traces into JSON's name with .png")
     ap.add_argument("--plot-cuda", metavar="JSON", nargs="+",

@@ -109,7 +109,7 @@ def build(arch: str = "90") -> ctypes.CDLL:
                                           ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                           ctypes.c_int]
     dll.realtime_stack_launch.restype = ctypes.c_int
-    dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 5
+    dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 3
     dll.realtime_stack_blocks_per_sm.argtypes = [ctypes.c_int]
     dll.realtime_stack_error_string.restype = ctypes.c_char_p
     return dll
@@ -141,10 +141,10 @@ class _Scratch:
         self.ctl = torch.zeros(3, device=dev, dtype=torch.int32)
 
 
-def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int | None,  # noqa: ANN001
+def _smem_plan(dll, dim: int, g: int, hd: int, stages: int | None,  # noqa: ANN001
                device: int) -> tuple[int, int]:
     """(stages, dynamic shared memory bytes): as many 16 KB stages as fit beside the fixed part."""
-    fixed = dll.realtime_stack_fixed_smem(dim, hhd, inter, g, hd)
+    fixed = dll.realtime_stack_fixed_smem(dim, g, hd)
     stage = dll.realtime_stack_stage_bytes()
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 232448)  # (227 KB: sm_90's opt-in maximum)
@@ -152,6 +152,14 @@ def _smem_plan(dll, dim: int, hhd: int, inter: int, g: int, hd: int, stages: int
     n = most if stages is None else stages
     check(2 <= n <= most, f"stages must be in [2, {most}] on this GPU, got {n}")
     return n, n * stage + fixed + 16 * n + 64
+
+
+def ring_stages(w, device: torch.device) -> int:  # noqa: ANN001
+    """How many 16 KB ring stages fit beside the fixed shared memory for this stack on this GPU."""
+    nqkv = w.qkv.shape[1]
+    hd = nqkv // (w.n_heads + 2 * w.n_kv_heads)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _smem_plan(build(), w.qkv.shape[2], w.n_heads // w.n_kv_heads, hd, None, idx)[0]
 
 
 def row_start(n: int, pid: int, programs: int, items: int, balance: int) -> int:
@@ -191,7 +199,7 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
     check(hkv * ns <= p, f"{hkv} kv heads x {ns} splits: more attention items than programs ({p})")
     check(-1 <= balance <= 500, f"balance is -1 or 0..500 per mille, got {balance}")
     check(p <= _sms(device), "at most one program an SM (every program must be resident)")
-    n_stages, smem = _smem_plan(dll, dim, h * hd, inter, h // hkv, hd, stages, device)
+    n_stages, smem = _smem_plan(dll, dim, h // hkv, hd, stages, device)
     most = max_rows(p, hkv * ns, balance)
     parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
                 most(dim) * (h * hd // _SEG))

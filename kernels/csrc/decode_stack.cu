@@ -200,12 +200,12 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Floats of the xs region: the final norm's row, and the attention's scratch (see Att)
-__host__ __device__ inline int xs_floats(int dim, int hhd, int inter, int g, int hd) {
+// Floats of the xs region: the final norm's row, and the attention's scratch (see Att; its output
+// is staged in it too). (Until this build it also had room for an intermediate row, unused since
+// the act rows went out as LL words: 24 KB, a stage and a half of ring, at 1B shapes.)
+__host__ __device__ inline int xs_floats(int dim, int g, int hd) {
   int att = g * hd + 4 * hd + g * kKeys + 8 * ((g + 7) / 8) * 4 + (kKeys * (hd + 8) + kKeys * hd + 2 * hd) / 2;
-  int n = dim > hhd ? dim : hhd;
-  n = n > inter ? n : inter;
-  return n > att ? n : att;
+  return dim > att ? dim : att;
 }
 
 // ---- the weight schedule, walked identically by the producer and the consumers
@@ -1026,7 +1026,7 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int pid = blockIdx.x, P = gridDim.x;
-  const int xsf = xs_floats(p.DIM, p.H * p.HD, p.I, p.H / p.HKV, p.HD);
+  const int xsf = xs_floats(p.DIM, p.H / p.HKV, p.HD);
   Ring ring;
   ring.n = p.nstages;
   ring.buf = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -1062,8 +1062,8 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
 extern "C" {
 
 // Shared memory a block needs beside its ring of stages.
-int realtime_stack_fixed_smem(int dim, int hhd, int inter, int g, int hd) {
-  return (xs_floats(dim, hhd, inter, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + kStats * 8 +
+int realtime_stack_fixed_smem(int dim, int g, int hd) {
+  return (xs_floats(dim, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + kStats * 8 +
          (int)sizeof(Rows);
 }
 
