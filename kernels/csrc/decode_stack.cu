@@ -511,10 +511,9 @@ struct Consumer {
     s.segs = s.K / kSeg;
   }
 
-  // Multiply stage i of slice s by the warp's x piece; the warp's partial goes to
-  // parts[base + row * segs + seg]. (Two stages at a time, two reductions in flight, was slower:
-  // 934 against 878 us a 1B step on the H100, the consumers holding two slots.)
-  __device__ void stage(const Slice& s, int i, int base, const float (&xr)[32]) {
+  // Stage i of slice s times the warp's x piece: the lane's part of the warp's partial (0 where the
+  // warp has no row in the stage). The stage's slot is freed before the lanes' parts are summed.
+  __device__ float stage_lanes(const Slice& s, int i, const float (&xr)[32]) {
     const int slot = at.slot;
     uint32_t t0 = now<kTimed>();
     mbar_wait(&ring.full[at.slot], at.par);
@@ -522,12 +521,12 @@ struct Consumer {
     uint32_t t1 = now<kTimed>();
     tally(2, t1 - t0);
     tally(11, 1);
+    float acc0 = 0.f, acc1 = 0.f;
     if (s.rw < s.rows(i) && p.mode != 2) {  // (probe mode 2: the weights stream, nothing multiplies them)
       const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + warp * kSeg;
       uint4 u[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) u[q] = *reinterpret_cast<const uint4*>(wst + q * 256 + lane * 8);
-      float acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[q]);
@@ -538,17 +537,44 @@ struct Consumer {
           acc1 = fmaf(f.y, xr[q * 8 + 2 * t + 1], acc1);
         }
       }
-      const float acc = warp_sum(acc0 + acc1);
-      if (lane == 0) parts[base + (i * s.rps + s.rw) * s.segs + s.seg] = acc;
     }
-    __syncwarp();
+    __syncwarp();  // (every lane's reads of the slot are done: the FMAs used them)
     if (lane == 0) mbar_arrive(&ring.empty[slot]);
     tally(12, now<kTimed>() - t1);
+    return acc0 + acc1;
+  }
+
+  // the warp's partial of stage i of slice s, where it has a row there, into parts[base + row * segs + seg]
+  __device__ void put_part(const Slice& s, int i, int base, float v) {
+    if (s.rw < s.rows(i) && p.mode != 2) parts[base + (i * s.rps + s.rw) * s.segs + s.seg] = v;
+  }
+
+  // Two stages' lane parts (va of a's stage i, vb of b's stage j) summed across the warp together:
+  // the first shuffle (lanes 16 apart) leaves a's pair sums in lanes 0..15 and b's in 16..31, four
+  // more finish both: 5 shuffles for two partials, in warp_sum's tree (the same sums bit for bit).
+  __device__ void put_pair(const Slice& a, int i, int base_a, float va, const Slice& b, int j, int base_b, float vb) {
+    const bool lo = lane < 16;
+    float v = (lo ? va : vb) + __shfl_xor_sync(0xffffffffu, lo ? vb : va, 16);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) put_part(a, i, base_a, v);
+    if (lane == 16) put_part(b, j, base_b, v);
   }
 
   __device__ void slice_stages(const Slice& s, int base, const float (&xr)[32]) {
     const int n = s.stages();  // (a local: the stages' asm clobbers memory, s is re-read past them)
-    for (int i = 0; i < n; ++i) stage(s, i, base, xr);
+    float held = 0.f;          // an even stage's lane part, summed with the odd stage after it
+    for (int i = 0; i < n; ++i) {
+      const float v = stage_lanes(s, i, xr);
+      if (i & 1) {
+        put_pair(s, i - 1, base, held, s, i, base, v);
+      } else if (i == n - 1) {
+        const float t = warp_sum(v);
+        if (lane == 0) put_part(s, i, base, t);
+      } else {
+        held = v;
+      }
+    }
   }
 
   // the (seated) slice's rows, each the sum of its segments' partials (after the stages and a sync)
@@ -981,8 +1007,8 @@ struct Consumer {
       const int up = sg.n * (p.DIM / kSeg);
       const int ng = sg.stages();
       for (int i = 0; i < ng; ++i) {
-        stage(sg, i, 0, xr);
-        stage(su, i, up, xr);
+        const float vg = stage_lanes(sg, i, xr);
+        put_pair(sg, i, 0, vg, su, i, up, stage_lanes(su, i, xr));
       }
       te = now<kTimed>();
       consumers_sync();
