@@ -8,7 +8,8 @@
 # (--quick, --skip-hf); STACK_TUNE sets the stack's switches for text and csm (REALTIME_STACK_TUNE,
 # e.g. "FMA=10,ATT_REGS=1"); STACK_KERNEL=cuda runs the CUDA C++ stack instead (REALTIME_STACK_KERNEL). PARTS picks the steps after the tests (probe, text, csm by default: ~9 min,
 # more than one call allows on a cold machine; "probe text" and "csm" fit one call each; ncu; ncu_cuda:
-# the CUDA C++ stack under Nsight Compute with per-line source counters, report and CSV in the results).
+# the CUDA C++ stack under Nsight Compute with per-instruction samples, report and CSVs in the results;
+# bench/ncu_lines.py sums them per source line here).
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-probe text csm}"
 has() { [[ " $parts " == *" $1 "* ]]; }
@@ -48,14 +49,16 @@ if [ "${STACK_TESTS:-1}" = 0 ] || timeout "${STACK_TEST_TIMEOUT:-200}" python3 -
       | cut -c1-150 | head -80
   fi
   if has ncu_cuda; then  # Nsight Compute on the CUDA C++ stack: where its warps stall, line by line
-    echo "== ncu: the CUDA stack (source counters; CSV of the source page in ncu_cuda_source.csv)"
+    echo "== ncu: the CUDA stack (source counters; the SASS page in ncu_cuda_sass.csv, all metrics in ncu_cuda_raw.csv)"
     REALTIME_CUDA_LINEINFO=1 timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --nvtx --nvtx-include "cuda_stack/" \
       -k regex:stack_kernel -c 1 --section SourceCounters --section WarpStateStats --section SpeedOfLight \
       --import-source yes -o "$work/ncu_cuda" python3 bench/stack_probe.py --ncu-cuda > "$work/ncu_cuda.log" 2>&1
     tail -5 "$work/ncu_cuda.log"
-    ncu -i "$work/ncu_cuda.ncu-rep" --page source --csv --print-source cuda > "$work/ncu_cuda_source.csv" 2>&1
+    # the SASS page carries the samples (the CUDA page has no metrics); bench/ncu_lines.py puts them on source lines
+    ncu -i "$work/ncu_cuda.ncu-rep" --page source --csv --print-source sass > "$work/ncu_cuda_sass.csv" 2>&1
+    ncu -i "$work/ncu_cuda.ncu-rep" --page raw --csv > "$work/ncu_cuda_raw.csv" 2>&1
     ncu -i "$work/ncu_cuda.ncu-rep" --section WarpStateStats --section SpeedOfLight 2>&1 | grep -v "^ *-* *$" | cut -c1-150 | head -60
-    head -c 600 "$work/ncu_cuda_source.csv"; echo
+    head -c 300 "$work/ncu_cuda_sass.csv"; echo
   fi
   if has csm; then
     for s in 0 csm; do
