@@ -201,8 +201,8 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Floats of the xs region: the final norm's row, and the attention's scratch (see Att; its output
-// is staged in it too). (Until this build it also had room for an intermediate row, unused since
-// the act rows went out as LL words: 24 KB, a stage and a half of ring, at 1B shapes.)
+// is staged in it too). No room for an intermediate row: nothing has used one since the act rows
+// went out as LL words, and at 1B shapes its 24 KB are worth one and a half ring stages.
 __host__ __device__ inline int xs_floats(int dim, int g, int hd) {
   int att = g * hd + 4 * hd + g * kKeys + 8 * ((g + 7) / 8) * 4 + (kKeys * (hd + 8) + kKeys * hd + 2 * hd) / 2;
   return dim > att ? dim : att;
@@ -638,7 +638,7 @@ struct Consumer {
   __device__ void att_prefetch(const Att& a) {
     if (a.lo >= a.hi) return;
     const int HD = p.HD, kstride = HD + 8, cpr = HD / 8;
-    #pragma unroll 1
+#pragma unroll 1
     for (int e = tid; e < kKeys * cpr; e += kConsumers) {
       int j = e / cpr, c = (e % cpr) * 8;
       int64_t n = a.lo + j;
@@ -650,7 +650,7 @@ struct Consumer {
         *reinterpret_cast<uint4*>(a.vb + j * HD + c) = make_uint4(0, 0, 0, 0);
       }
     }
-    #pragma unroll 1
+#pragma unroll 1
     for (int e = tid; e < 2 * cpr; e += kConsumers) {
       const __nv_bfloat16* src = (e < cpr ? p.cos : p.sin) + a.pos * p.s_tab + (e % cpr) * 8;
       cp_async16(a.csb + e * 8, src);
@@ -743,7 +743,7 @@ struct Consumer {
       }
       consumers_sync();
       if (pos >= lo && pos < hi) {  // this split holds the step's own key: into the cache
-        #pragma unroll 1
+#pragma unroll 1
         for (int d = tid; d < HD; d += kConsumers) {
           p.kc[cbase + pos * p.sk_t + d] = __float2bfloat16(kn[d]);
           p.vc[cbase + pos * p.sk_t + d] = __float2bfloat16(vn[d]);
@@ -911,7 +911,7 @@ struct Consumer {
   __device__ void put_heads(int kvh) {
     const int n = p.H / p.HKV * p.HD;
     consumers_sync();
-    #pragma unroll 1
+#pragma unroll 1
     for (int w = tid; w < n / 2; w += kConsumers) st_ll(p.attn + kvh * n / 2 + w, pack_bf2(xs[2 * w], xs[2 * w + 1]), want);
   }
 
@@ -1034,7 +1034,7 @@ struct Consumer {
     }
     if (pid == 0) {  // the final norm of the last layer's residual rows
       norm_into_xs(p.resd, p.fnorm);
-      #pragma unroll 1
+#pragma unroll 1
       for (int k = tid; k < p.DIM; k += kConsumers) p.out[k] = __float2bfloat16(xs[k]);
     }
     // The last SM done advances the epoch: every SM has read it by then, and the next step (the
