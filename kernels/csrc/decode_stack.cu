@@ -227,17 +227,15 @@ __device__ __forceinline__ int64_t row_start(int N, int pid, int P, int nitem, i
   return (int64_t)N * (1000LL * pid - (int64_t)balance * min(pid, nitem)) / total;
 }
 
-__device__ __forceinline__ Slice slice(const __nv_bfloat16* w, int N, int K, int pid, int P, int nitem, int balance) {
+__device__ __forceinline__ int2 row_range(int N, int pid, int P, int nitem, int balance) {  // {row0, n}
   if (balance < 0) {
     int r = (N + P - 1) / P;
     r += r & 1;  // (rows go out in LL words of two: every SM's rows start even)
-    int row0 = min(N, pid * r);
-    int n = max(0, min(r, N - row0));
-    return Slice{w, row0, n, K, kStageElems / K, (n + kStageElems / K - 1) / (kStageElems / K)};
+    const int row0 = min(N, pid * r);
+    return make_int2(row0, max(0, min(r, N - row0)));
   }
-  int row0 = (int)(row_start(N, pid, P, nitem, balance) & ~1LL);
-  int n = (int)(row_start(N, pid + 1, P, nitem, balance) & ~1LL) - row0;
-  return Slice{w, row0, n, K, kStageElems / K, (n + kStageElems / K - 1) / (kStageElems / K)};
+  const int row0 = (int)(row_start(N, pid, P, nitem, balance) & ~1LL);
+  return make_int2(row0, (int)(row_start(N, pid + 1, P, nitem, balance) & ~1LL) - row0);
 }
 
 // The SM's rows [row0, row0 + n) of weight k (0 q|k|v, 1 o, 2 gate, 3 up, 4 down): the same every
@@ -251,10 +249,11 @@ __device__ __forceinline__ void fill_rows(const Params& p, int pid, int P, int k
   const int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
   const int N = k == 0 ? nqkv : k == 1 || k == 4 ? p.DIM : p.I;
   const int K = k == 1 ? hhd : k == 4 ? p.I : p.DIM;
-  const Slice s = slice(nullptr, N, K, pid, P, p.HKV * p.NS, p.balance);
-  r->row0[k] = s.row0;
-  r->n[k] = s.n;
-  r->nst[k] = s.nst;
+  const int2 rows = row_range(N, pid, P, p.HKV * p.NS, p.balance);
+  const int rps = kStageElems / K;
+  r->row0[k] = rows.x;
+  r->n[k] = rows.y;
+  r->nst[k] = (rows.y + rps - 1) / rps;
 }
 
 // The SM's slice k of layer l (gate and up stages alternate)
