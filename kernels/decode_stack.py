@@ -742,13 +742,17 @@ class StackWeights:
     eps: float
     scratch: dict = field(default_factory=dict)  # per (programs, splits): the kernel's ``_Scratch``
 
+    @property
+    def head_dim(self) -> int:
+        return self.qkv.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
+
 
 class _Scratch:
     """Per (device, programs): the kernel's scratch buffers and the barrier counter."""
 
     def __init__(self, w: StackWeights, m: int, ns: int, programs: int) -> None:
         dim = w.qkv.shape[2]
-        hd = w.qkv.shape[1] // (w.n_heads + 2 * w.n_kv_heads)
+        hd = w.head_dim
         inter = w.down.shape[2]
         dev, dt = w.qkv.device, w.qkv.dtype
         self.res = torch.empty((m, dim), device=dev, dtype=dt)
@@ -788,9 +792,8 @@ def decode_stack(w: StackWeights, x: Tensor, pos: Tensor, k_cache: Tensor, v_cac
     [:, 0, 3] are the kernel's start (``trace_summary`` reads it)."""
     check(use_triton("decode_stack", x, w.qkv, k_cache), "decode_stack needs CUDA or the interpreter")
     m, dim = x.shape
-    nl, nqkv, wdim = w.qkv.shape
-    h, hkv = w.n_heads, w.n_kv_heads
-    hd = nqkv // (h + 2 * hkv)
+    nl, _, wdim = w.qkv.shape
+    h, hkv, hd = w.n_heads, w.n_kv_heads, w.head_dim
     inter = w.down.shape[2]
     check(1 <= m <= MAX_M and wdim == dim and x.is_contiguous(), f"x must be [1..{MAX_M}, {wdim}], got {tuple(x.shape)}")
     check(k_cache.shape[0] == nl and k_cache.shape[2] == hkv and k_cache.shape[4] == hd and k_cache.stride() == v_cache.stride()

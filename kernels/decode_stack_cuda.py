@@ -128,8 +128,7 @@ class _Scratch:
 
     def __init__(self, w, ns: int, dev: torch.device) -> None:  # noqa: ANN001
         nl, nqkv, dim = w.qkv.shape
-        h, hkv = w.n_heads, w.n_kv_heads
-        hd = nqkv // (h + 2 * hkv)
+        h, hkv, hd = w.n_heads, w.n_kv_heads, w.head_dim
         inter = w.down.shape[2]
         words = dict(dtype=torch.int64, device=dev)
         self.reso = torch.zeros(dim // 2, **words)
@@ -154,12 +153,13 @@ def _smem_plan(dll, dim: int, g: int, hd: int, stages: int | None,  # noqa: ANN0
     return n, n * stage + fixed + 16 * n + 64
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def ring_stages(w, device: torch.device) -> int:  # noqa: ANN001
     """How many 16 KB ring stages fit beside the fixed shared memory for this stack on this GPU."""
-    nqkv = w.qkv.shape[1]
-    hd = nqkv // (w.n_heads + 2 * w.n_kv_heads)
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return _smem_plan(build(), w.qkv.shape[2], w.n_heads // w.n_kv_heads, hd, None, idx)[0]
+    return _smem_plan(build(), w.qkv.shape[2], w.n_heads // w.n_kv_heads, w.head_dim, None, _index(device))[0]
 
 
 def row_start(n: int, pid: int, programs: int, items: int, balance: int) -> int:
@@ -229,8 +229,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     attention: the step's results are then wrong, and the caches must be restored."""
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
-    h, hkv = w.n_heads, w.n_kv_heads
-    hd = nqkv // (h + 2 * hkv)
+    h, hkv, hd = w.n_heads, w.n_kv_heads, w.head_dim
     inter = w.down.shape[2]
     check(x.is_cuda and m == 1 and wdim == dim and x.is_contiguous() and x.dtype == torch.bfloat16,
           f"decode_stack_cuda takes one contiguous bf16 CUDA row [1, {wdim}], got {tuple(x.shape)} {x.dtype}")
@@ -248,7 +247,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     for t in (w.qkv, w.o, w.gate_up, w.down):
         check(t.is_contiguous() and t.data_ptr() % 16 == 0, "stacked weights must be contiguous and 16-byte aligned")
     dll = build()
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device = _index(x.device)
     p = programs or _sms(device)
     ns = splits or default_splits(hkv, k_cache.shape[3], p)
     n_stages, smem = _plan(dim, nqkv, h, hkv, hd, inter, p, ns, stages, balance, device)
