@@ -256,6 +256,35 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
             log(f"  {name}: failed: {exc!r}"[:400])
             continue
         row(name, fn, weight_bytes)
+    # The engines' one-row step: the input row gathered from an embedding, the stack, the head
+    # (the LM head; a CSM codebook head): three launches as the engines did, or one kernel
+    # (x_index and head: decode_row_fused)
+    if args.head_rows:
+        from realtime.engines.transformer import project, use_gemv
+
+        table = torch.randn(4096, step_x.shape[1], device=step_x.device, dtype=torch.bfloat16)
+        index = torch.tensor([123], device=step_x.device)
+        head = (torch.randn(args.head_rows, step_x.shape[1], device=step_x.device) * 0.02).to(torch.bfloat16)
+        gemv = use_gemv(head)
+        nbytes = weight_bytes + head.numel() * 2
+
+        def three() -> torch.Tensor:
+            x = torch.nn.functional.embedding(index, table)
+            return project(dsc.decode_stack_cuda(w, x, pos, cache.k, cache.v, slots, cos, sin), head, None, gemv)
+
+        def one() -> torch.Tensor:
+            return dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin, x_index=index, head=head)[1]
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        a3 = three().float()
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        a1 = one().float()
+        torch.cuda.synchronize()
+        log(f"  head of {args.head_rows} rows: one kernel's logits vs the three launches': "
+            f"{float((a1 - a3).norm() / a3.norm()):.2e} (relative); poll timeouts {dsc.errors(w)}")
+        row(f"gather + CUDA stack + head GEMV ({args.head_rows} rows): 3 launches", three, nbytes)
+        row(f"CUDA stack with the gather and the head ({args.head_rows} rows): 1 kernel", one, nbytes)
     # Where the CUDA stack's time goes: each SM's cycle counts for one step, and the step without
     # its waits (mode 1) and without its arithmetic too (mode 2: how fast the weights stream alone)
     # (mode 3: no waits and no attention, so mode 1 - mode 3 is what the attention's own work costs
@@ -311,6 +340,9 @@ def main() -> int:
                     help="only the layer path, the Triton stack as served and the CUDA C++ stack's rows")
     ap.add_argument("--lean", action="store_true",
                     help="with --cuda-only: the CUDA stack as served, its probe modes and cycle counts (no variants)")
+    ap.add_argument("--head-rows", type=int, default=None,
+                    help="rows of a head after the stack for the one-row-step rows (default: 128256, Llama-3.2's "
+                         "LM head, for 1b; 2051, a CSM codebook head, for csm-depth; 0: none)")
     ap.add_argument("--stage-scan", action="store_true",
                     help="CUDA stack rows with 1, 2 and 4 ring stages fewer than fit")
     ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")
@@ -336,6 +368,8 @@ def main() -> int:
         return 0
     if args.context is None:
         args.context = 16 if args.shapes == "csm-depth" else 264
+    if args.head_rows is None:
+        args.head_rows = 2051 if args.shapes == "csm-depth" else 128256
     if not torch.cuda.is_available():
         print("stack_probe needs a CUDA GPU", file=sys.stderr)
         return 2

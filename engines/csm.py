@@ -222,6 +222,10 @@ class CSM(nn.Module):
         # Set by fuse_projections on CUDA: codebook heads as [K-1, V, Dd] (nn.Linear layout, for the
         # GEMV) and which decode-time products take the GEMV.
         self.register_buffer("codebooks_head_t", None, persistent=False)
+        # Set by fuse_projections when the depth decoder's one-row step is the CUDA stack: every
+        # depth input projected ahead ([K V, Dd]: depth_projector(depth_embed_audio)), so that a
+        # depth pass is one kernel (the row gathered, the layers, the codebook head) and a sampler.
+        self.register_buffer("depth_inputs", None, persistent=False)
         self.gemv_lm_head = self.gemv_projector = self.gemv_codebooks = False
 
     # ------------------------------------------------------------------ properties
@@ -588,6 +592,11 @@ class CSM(nn.Module):
         but the depth cache, so the frame can leave before ``_feed_rows`` runs."""
         k, dev = self.num_codebooks, self.device
         b = slots.shape[0]
+        fused = b == 1 and self.depth_inputs is not None and self.depth.stack_cuda
+        if fused:  # the in-kernel sampler's per-row tensors, once a frame; its codes land in `codes`
+            codes = torch.empty(1, k, dtype=torch.long, device=dev)
+            rows = (temperature.to(dev, torch.float32).reshape(1), top_k.to(dev, torch.long).reshape(1),
+                    seeds.to(dev, torch.long).reshape(1))
         top_p = torch.ones(b, device=dev)
         step0 = state.frames[slots] * k
 
@@ -602,12 +611,23 @@ class CSM(nn.Module):
         positions = torch.arange(k, device=dev)[None].expand(b, k)  # views of it: no kernel per pass
         pos = positions[:, :2]
         for cb in range(1, k):
+            if fused and cb > 1:
+                # one kernel: codebook cb-1's input row gathered, the layers, codebook cb's head and
+                # its code sampled (as _sample samples it: the same steps and noise)
+                r = self.depth.decode_row_fused(
+                    self.depth_inputs, c, positions[0, cb:cb + 1], state.depth_cache, slots,
+                    self.codebooks_head_t[cb - 1], (cb - 1) * self.audio_vocab_size,
+                    sample=(*rows, step0.reshape(1), cb), token=codes[0, cb:cb + 1])
+                if r is not None:
+                    c = r[2]
+                    out.append(c)
+                    continue
+            if cb > 1:
+                x = self._depth_input(c, cb - 1)[:, None]
+                pos = positions[:, cb:cb + 1]
             h = self.depth(x, pos, state.depth_cache, slots)[:, -1]  # [B, Dd]
             c = _sample(self._codebook_logits(h, cb), temperature, top_k, top_p, seeds, step0 + cb)
             out.append(c)
-            if cb < k - 1:
-                x = self._depth_input(c, cb)[:, None]
-                pos = positions[:, cb + 1:cb + 2]
         return torch.stack(out, dim=1)  # [B, K]
 
     def _feed_rows(self, state: CSMBatchState, slots: Tensor, codes: Tensor) -> None:
@@ -637,6 +657,19 @@ class CSM(nn.Module):
         self.gemv_lm_head = use_gemv(self.lm_head.weight)
         self.gemv_projector = use_gemv(self.depth_projector.weight)
         self.gemv_codebooks = use_gemv(self.codebooks_head_t[0])
+        if self.depth.stack_cuda:  # (bf16 on an sm_90 GPU: see decode_row_fused)
+            self.depth_inputs = self.project_depth_inputs()
+
+    @torch.no_grad()
+    def project_depth_inputs(self) -> Tensor:
+        """depth_projector(depth_embed_audio(i)) for every row i of the depth embedding, [K V, Dd]
+        in the model dtype: float32 sums rounded once, as the GEMV of ``_depth_input`` rounds them
+        (the summation order differs)."""
+        e, w = self.depth_embed_audio.weight, self.depth_projector.weight
+        out = torch.empty(e.shape[0], w.shape[0], device=e.device, dtype=e.dtype)
+        for i in range(0, e.shape[0], 8192):  # (float32 copies of 8192 rows at a time)
+            out[i:i + 8192] = nn.functional.linear(e[i:i + 8192].float(), w.float()).to(e.dtype)
+        return out
 
     def capture_step(self, state: CSMBatchState, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32)) -> "CSMStepGraphs":
         """CUDA graphs of ``step`` for batches padded up to each of ``sizes`` (see CSMStepGraphs)."""

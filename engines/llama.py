@@ -371,6 +371,12 @@ class TextModel(nn.Module):
 
         No host syncs or data-dependent branches (CUDA-graph capturable); the caller keeps pos < cache length.
         """
+        if tokens.shape[0] == 1 and self.transformer.stack_cuda:
+            # the CUDA stack's one kernel: the embedding row gathered, the layers, the LM head
+            head = self.embed_tokens.weight if self.tied else self.lm_head.weight
+            r = self.transformer.decode_row_fused(self.embed_tokens.weight, tokens, pos, cache, slots, head)
+            if r is not None:
+                return r[1].float()
         x = self.embed_tokens(tokens)[:, None]  # [B, 1, dim]
         h = self.transformer(x, pos[:, None], cache=cache, slots=slots)
         return self._logits(h[:, 0])

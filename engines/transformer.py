@@ -225,6 +225,10 @@ def _parse_stack_tune(text: str) -> dict[str, int]:
 _STACK_KERNEL = os.environ.get("REALTIME_STACK_KERNEL", "triton").strip().lower()
 if _STACK_KERNEL not in ("triton", "cuda"):
     raise ValueError(f"REALTIME_STACK_KERNEL must be triton or cuda, got {_STACK_KERNEL!r}")
+# With the CUDA stack: a one-row step gathers its input row and computes its head in the stack's
+# kernel (decode_row_fused: the text engine's embedding and LM head, CSM's depth inputs and
+# codebook heads). "0": the engines' separate launches, as before (for A/B in the benches).
+_STACK_FUSED = os.environ.get("REALTIME_STACK_FUSED", "1").strip() != "0"
 # Switches of the stack kernel for the benches (decode_stack's ``tune``); empty: its defaults.
 _STACK_TUNE = _parse_stack_tune(os.environ.get("REALTIME_STACK_TUNE", ""))
 _stack_owner: list[str] = []
@@ -677,6 +681,35 @@ class Transformer(nn.Module):
 
         h = self._fused_norm_loop(x.reshape(b, cfg.dim).contiguous(), attend, lambda layer, h: layer.mlp.decode(h))
         return h.view(b, 1, cfg.dim)
+
+    def decode_row_fused(self, table: Tensor, index: Tensor, pos: Tensor, cache: KVCache, slots: Tensor,
+                         head: Tensor | None = None, offset: int = 0, sample: tuple | None = None,
+                         token: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+        """One row's decode step in ONE kernel of the CUDA stack, with its input gathered there
+        (``table[index[0] + offset]``: an embedding, [rows, dim]) and, with ``head`` [V, dim], the
+        head's logits after the final norm, and with ``sample`` (temperature, top_k, seeds, steps,
+        step_add: see ``decode_stack_cuda``) their token, into ``token`` if given:
+        -> (final-norm output [1, dim], logits [1, V] in bf16 or None, token int64 [1] or None).
+        None where the CUDA stack does not take the step (the caller then gathers, projects and
+        samples itself): no CUDA stack, a batch, dtypes other than the stack's, a head too wide
+        to sample in the kernel, or REALTIME_STACK_FUSED=0.
+        index, pos, slots: int64 [1] on the GPU; no host syncs (CUDA-graph capturable)."""
+        if not (_STACK_FUSED and self.stack_cuda and index.shape == (1,) and pos.shape == (1,) and slots.shape == (1,)
+                and index.dtype == torch.long and table.dim() == 2 and table.shape[1] == self.cfg.dim
+                and table.dtype == self.stack.qkv.dtype == cache.dtype and table.is_contiguous()
+                and (head is None or head.dtype == table.dtype)):
+            return None
+        from realtime.kernels.decode_stack_cuda import MAX_SAMPLE_V, decode_stack_cuda
+
+        if sample is not None and (head is None or head.shape[0] > MAX_SAMPLE_V):
+            return None
+        cos, sin = self.rope_table(cache.max_seq_len, table.dtype)
+        r = decode_stack_cuda(self.stack, table, pos.contiguous(), cache.k, cache.v, slots.contiguous(), cos, sin,
+                              programs=self.stack_programs, x_index=index, x_offset=offset, head=head, sample=sample,
+                              token=token)
+        if sample is not None:
+            return r
+        return (r[0], r[1], None) if head is not None else (r, None, None)
 
     def enable_decode_stack(self, programs: int | None = None) -> bool:
         """Run one-token steps of <= 4 rows as ONE persistent kernel over all layers

@@ -1,7 +1,11 @@
 """The decode stack as CUDA C++ (kernels/csrc/decode_stack.cu): one row, bf16, weights streamed.
 
 Same step and arguments as ``decode_stack.decode_stack`` (Triton) for one row: x [1, DIM] ->
-the final-norm output, the step's K/V written into the caches. The CUDA kernel keeps a ring of
+the final-norm output, the step's K/V written into the caches. More in the same kernel, for the
+engines' one-row steps: the input row gathered from a table (an embedding) at an index on the
+device; a head after the final norm (the LM head, a codebook head), whose rows stream through
+the ring right behind the last layer's; and for a small vocabulary (CSM's 2051 codes) the head's
+token sampled by the last SM done, as kernels/sampling.py samples it. The CUDA kernel keeps a ring of
 16 KB shared-memory stages per SM that a producer warp fills with bulk copies of the SM's
 weight rows, layer after layer, independent of the activations; the consumer warps poll the rows
 the other SMs hand over (LL words: data and flag in one 8-byte store) instead of grid barriers.
@@ -32,15 +36,20 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "STATS", "STAT_NAMES"]
+           "head_chunks", "STATS", "STAT_NAMES"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
 _KEYS = 32  # keys an attention block (kKeys)
 _SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, dividing a stage
+_STAGE_ELEMS = 8192  # bf16 elements a 16 KB stage (kStageElems)
+_MAX_PARTS = 1024  # kMaxParts: float partial sums a phase
 # Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
+# A head sampled in the kernel: its logits and order keys (6 bytes a row) go into the ring's first
+# two stages (there are always at least two) on the last SM
+MAX_SAMPLE_V = 2 * 16384 // 6
 STATS = 18  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
               "polls for the residual (q|k|v)", "polls for q|k|v (the attention)", "polls for the heads (o)",
@@ -209,11 +218,23 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
     return n_stages, smem
 
 
+def head_chunks(v: int, dim: int, programs: int, items: int, balance: int) -> int:
+    """Chunks of a head's rows (``v`` rows of ``dim``) the SM with the most takes in turn: each
+    chunk's partial sums fill at most the kernel's ``kMaxParts`` (head_rows() in the .cu)."""
+    if v == 0:
+        return 0
+    rps = _STAGE_ELEMS // dim
+    per = _MAX_PARTS // (dim // _SEG) // rps * rps
+    return -(-max_rows(programs, items, balance)(v) // per)
+
+
 def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,  # noqa: ANN001
                       cos: Tensor, sin: Tensor, programs: int | None = None, splits: int | None = None,
                       stages: int | None = None, pdl: bool = True, stats: Tensor | None = None,
                       mode: int = 0, inflight: int | None = None, balance: int = -1,
-                      backoff: int | None = None) -> Tensor:
+                      backoff: int | None = None, x_index: Tensor | None = None, x_offset: int = 0,
+                      head: Tensor | None = None, sample: tuple | None = None,
+                      token: Tensor | None = None) -> Tensor | tuple:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
@@ -223,6 +244,16 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     pairs, see ``row_start``). ``backoff``: ns a
     poll for another SM's rows sleeps before it polls again (default ``BACKOFF``).
 
+    ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
+    step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
+    ``head`` [V, DIM] (bf16): the kernel also computes ``logits = final-norm output @ head.T``
+    (float32 sums, rounded to bf16 as the GEMV does) and the call returns ``(out, logits [1, V])``.
+    ``sample`` (with a head of at most ``MAX_SAMPLE_V`` rows): ``(temperature, top_k, seeds,
+    steps, step_add)``, one row each on the GPU (float32, int64, int64, int64; an int): the
+    kernel also samples the logits' token as ``kernels.sampling.sample(logits, temperature,
+    top_k, seeds, steps + step_add)`` does, into ``token`` (int64 [1]; allocated if None), and
+    the call returns ``(out, logits, token)``.
+
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
     ``STAT_NAMES``); ``mode`` 1 reads the rows other SMs hand over once, without polling for
     them, 2 also skips the arithmetic (the weights still stream), 3 skips the polls and the
@@ -231,8 +262,28 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     nl, nqkv, wdim = w.qkv.shape
     h, hkv, hd = w.n_heads, w.n_kv_heads, w.head_dim
     inter = w.down.shape[2]
-    check(x.is_cuda and m == 1 and wdim == dim and x.is_contiguous() and x.dtype == torch.bfloat16,
-          f"decode_stack_cuda takes one contiguous bf16 CUDA row [1, {wdim}], got {tuple(x.shape)} {x.dtype}")
+    check(x.is_cuda and (m == 1 or x_index is not None) and m >= 1 and wdim == dim and x.is_contiguous()
+          and x.dtype == torch.bfloat16,
+          f"decode_stack_cuda takes one contiguous bf16 CUDA row [1, {wdim}] (or a table of them with x_index), "
+          f"got {tuple(x.shape)} {x.dtype}")
+    if x_index is not None:
+        check(x_index.shape == (1,) and x_index.dtype == torch.long and x_index.device == x.device,
+              "x_index: int64 [1] on the table's GPU")
+    if sample is not None:
+        check(head is not None and head.shape[0] <= MAX_SAMPLE_V,
+              f"sampling in the kernel needs a head of at most {MAX_SAMPLE_V} rows")
+        temp, top_k, seeds, steps, step_add = sample
+        for t, dt, name in ((temp, torch.float32, "temperature"), (top_k, torch.long, "top_k"),
+                            (seeds, torch.long, "seeds"), (steps, torch.long, "steps")):
+            check(t.dtype == dt and t.numel() == 1 and t.device == x.device and t.is_contiguous(),
+                  f"sample: {name} must be one {dt} on the GPU")
+        if token is None:
+            token = torch.empty(1, device=x.device, dtype=torch.long)
+        check(token.dtype == torch.long and token.numel() == 1 and token.device == x.device, "token: int64 [1] on the GPU")
+    if head is not None:
+        check(head.dim() == 2 and head.shape[1] == dim and head.shape[0] >= 1 and head.dtype == torch.bfloat16
+              and head.is_contiguous() and head.device == x.device and head.data_ptr() % 16 == 0,
+              f"head: contiguous bf16 [V, {dim}] on the GPU, got {tuple(head.shape)} {head.dtype}")
     check(all(t.dtype == torch.bfloat16 and t.is_cuda for t in (w.qkv, w.o, w.gate_up, w.down, w.norms, w.final,
                                                                  k_cache, v_cache, cos, sin)),
           "decode_stack_cuda: weights, caches and angle tables must be bf16 on the GPU")
@@ -255,26 +306,33 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     sc = w.scratch.get(key)
     if sc is None:  # allocated once, before any CUDA-graph capture (the capture warm-up runs the step)
         sc = w.scratch[key] = _Scratch(w, ns, x.device)
-    out = torch.empty_like(x)
+    out = torch.empty(1, dim, device=x.device, dtype=x.dtype)
+    v = 0 if head is None else head.shape[0]
+    logits = None if head is None else torch.empty(1, v, device=x.device, dtype=torch.bfloat16)
     ptrs = [x, out, sc.reso, sc.qkv, sc.attn, sc.part, sc.resd, sc.act, sc.ctl, w.qkv, w.o, w.gate_up, w.down, w.norms,
             w.final, k_cache, v_cache, cos, sin, pos, slots]
     if stats is not None:
         check(stats.is_cuda and stats.dtype == torch.int64 and stats.shape == (p, STATS) and stats.is_contiguous(),
               f"stats: int64 [{p}, {STATS}] on the GPU")
     check(mode in (0, 1, 2, 3), f"mode is 0, 1, 2 or 3, got {mode}")
-    a = (ctypes.c_int64 * 27)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                              k_cache.stride(3), cos.stride(0), 0 if stats is None else stats.data_ptr())
+    sp = [0] * 6 if sample is None else [*(t.data_ptr() for t in sample[:4]), int(sample[4]), token.data_ptr()]
+    a = (ctypes.c_int64 * 38)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                              k_cache.stride(3), cos.stride(0), 0 if stats is None else stats.data_ptr(),
+                              0 if x_index is None else x_index.data_ptr(), int(x_offset), m,
+                              0 if head is None else head.data_ptr(), 0 if logits is None else logits.data_ptr(), *sp)
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
     fl = INFLIGHT if inflight is None else inflight
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
     nap = BACKOFF if backoff is None else backoff
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
-    n = (ctypes.c_int * 13)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
-                            nap)
+    n = (ctypes.c_int * 15)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
+                            nap, v, head_chunks(v, dim, p, hkv * ns, balance))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")
-    return out
+    if sample is not None:
+        return out, logits, token
+    return out if logits is None else (out, logits)
 
 
 def errors(w) -> int:  # noqa: ANN001

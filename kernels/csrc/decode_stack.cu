@@ -93,6 +93,23 @@ struct Params {
   int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
   int balance;       // < 0: cdiv(N, P) rows an SM; else per mille fewer rows for the SMs that attend
   int backoff;       // ns a poll sleeps after finding a word not yet written (0: none)
+  // The step's input gathered in the kernel (an embedding row; null: x is the row): x is then a
+  // table [xrows, DIM] and the input its row xidx[0] + xoff (clamped into the table)
+  const int64_t* xidx;
+  int64_t xoff, xrows;
+  // A head after the final norm in the same kernel (null: none): logits[v] = head row v . the
+  // final-norm output, for v < V, the rows split over the SMs like any GEMV's and streamed
+  // through the ring right behind the last layer's (no kernel boundary, no separate launch)
+  const __nv_bfloat16* whead;  // [V, DIM]
+  __nv_bfloat16* logits;       // [V]
+  int V, nhead;  // nhead: chunks of head rows (see run_layers), the most any SM has (the launcher's)
+  // The head's token sampled in the kernel (null tok: none), by the last SM done with the step, as
+  // kernels/sampling.py's small-vocabulary kernel does for bf16 logits: temperature (<= 0:
+  // greedy), top-k, Gumbel-max with the counter-based noise of (seed, step[0] + step_add)
+  const float* s_temp;
+  const int64_t *s_topk, *s_seed, *s_step;
+  int64_t s_add;
+  int64_t* tok;
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
@@ -200,6 +217,32 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// ---- the sampler's noise: engines/sampling.py's counter-based hash, bit for bit
+
+__device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+__device__ __forceinline__ uint32_t row_key(int64_t seed, int64_t step) {  // the seed and step folded in
+  const uint64_t s = (uint64_t)seed, t = (uint64_t)step;
+  uint32_t key = hash32((uint32_t)s);
+  key = hash32(key ^ (uint32_t)(s >> 32) ^ 0x9E3779B9u);
+  key = hash32(key ^ (uint32_t)t);
+  return hash32(key ^ (uint32_t)(t >> 32) ^ 0x85EBCA6Bu);
+}
+
+__device__ __forceinline__ float gumbel(uint32_t key, int v) {  // Gumbel(0, 1) of vocab index v
+  uint32_t h = hash32(key ^ hash32((uint32_t)v + 0x27D4EB2Fu));
+  h = hash32(h ^ 0x165667B1u);
+  const float u = ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  return -logf(-logf(u));  // (libdevice's accurate logf, as the Triton sampler and torch use)
+}
+
 // Floats of the xs region: the final norm's row, and the attention's scratch (see Att; its output
 // is staged in it too). No room for an intermediate row: nothing has used one since the act rows
 // went out as LL words, and at 1B shapes its 24 KB are worth one and a half ring stages.
@@ -238,16 +281,16 @@ __device__ __forceinline__ int2 row_range(int N, int pid, int P, int nitem, int 
   return make_int2(row0, (int)(row_start(N, pid + 1, P, nitem, balance) & ~1LL) - row0);
 }
 
-// The SM's rows [row0, row0 + n) of weight k (0 q|k|v, 1 o, 2 gate, 3 up, 4 down): the same every
+// The SM's rows [row0, row0 + n) of weight k (0 q|k|v, 1 o, 2 gate, 3 up, 4 down, 5 the head): the same every
 // layer, so worked out once a step (the 64-bit divisions) into shared memory, where the producer's
 // walk and the consumers' phases read them.
 struct alignas(8) Rows {  // (the ring's mbarriers follow it)
-  int row0[5], n[5], nst[5];
+  int row0[6], n[6], nst[6];
 };
 
-__device__ __forceinline__ void fill_rows(const Params& p, int pid, int P, int k, Rows* r) {  // thread k < 5: weight k
+__device__ __forceinline__ void fill_rows(const Params& p, int pid, int P, int k, Rows* r) {  // thread k < 6: weight k
   const int nqkv = (p.H + 2 * p.HKV) * p.HD, hhd = p.H * p.HD;
-  const int N = k == 0 ? nqkv : k == 1 || k == 4 ? p.DIM : p.I;
+  const int N = k == 0 ? nqkv : k == 1 || k == 4 ? p.DIM : k == 5 ? (p.whead ? p.V : 0) : p.I;
   const int K = k == 1 ? hhd : k == 4 ? p.I : p.DIM;
   const int2 rows = row_range(N, pid, P, p.HKV * p.NS, p.balance);
   const int rps = kStageElems / K;
@@ -270,6 +313,9 @@ __device__ __forceinline__ Slice layer_slice(const Params& p, const Rows* r, int
   } else if (k == 4) {
     w = p.wd + (int64_t)l * p.DIM * p.I;
     K = p.I;
+  } else if (k == 5) {  // (the head: once, after the last layer)
+    w = p.whead;
+    K = p.DIM;
   } else {
     w = p.wgu + ((int64_t)l * 2 + (k - 2)) * p.I * p.DIM;
     K = p.DIM;
@@ -306,16 +352,16 @@ struct RingPos {
 };
 
 // The SM's weight schedule for the step, one stage at a time, in the consumers' order: per layer
-// its q|k|v stages, o, gate and up alternating, then down.
+// its q|k|v stages, o, gate and up alternating, then down; after the last layer the head's (if any).
 struct Walk {
   const Params& p;
   const Rows* r;
-  int l = 0, ph = 0, i = 0;  // ph: 0 q|k|v, 1 o, 2 gate|up, 3 down
+  int l = 0, ph = 0, i = 0;  // ph: 0 q|k|v, 1 o, 2 gate|up, 3 down; l == L: the head
   Slice c;                   // the phase's slice (gate's in phase 2: up's rows and stride follow)
   __device__ Walk(const Params& p_, const Rows* r_) : p(p_), r(r_) { c = layer_slice(p, r, 0, 0); }
   // the next stage's source and bytes; false past the step's last stage
   __device__ bool next(const __nv_bfloat16*& src, uint32_t& bytes) {
-    while (l < p.L) {
+    while (l <= p.L) {
       const int k = ph == 2 ? i >> 1 : i;
       if (k < c.stages()) {
         // (gate and up: the same rows and K, up's rows p.I * K elements after gate's)
@@ -325,11 +371,11 @@ struct Walk {
         return true;
       }
       i = 0;
-      if (++ph == 4) {
+      if (l == p.L || ++ph == 4) {
         ph = 0;
         ++l;
       }
-      if (l < p.L) c = layer_slice(p, r, l, ph == 3 ? 4 : ph);
+      if (l <= p.L) c = layer_slice(p, r, l, l == p.L ? 5 : ph == 3 ? 4 : ph);  // (no head: 0 stages)
     }
     return false;
   }
@@ -919,10 +965,25 @@ struct Consumer {
   __device__ void add_residual(uint2* dst, const Slice& s, bool from_x, float2& resid) {
     if (2 * tid >= s.n) return;
     const int r = 2 * tid;
-    const float b0 = from_x ? __bfloat162float(p.x[s.row0 + r]) : resid.x;
-    const float b1 = from_x ? __bfloat162float(p.x[s.row0 + r + 1]) : resid.y;
+    const __nv_bfloat16* x = from_x ? x_in() : nullptr;
+    const float b0 = from_x ? __bfloat162float(x[s.row0 + r]) : resid.x;
+    const float b1 = from_x ? __bfloat162float(x[s.row0 + r + 1]) : resid.y;
     resid = make_float2(bf(bf(row_sum(s, 0, r)) + b0), bf(bf(row_sum(s, 0, r + 1)) + b1));
     st_ll(dst + s.row0 / 2 + tid, pack_bf2(resid.x, resid.y), want);
+  }
+
+  // the step's input row: p.x, or with p.xidx its row of the table p.x (read where layer 0 uses it:
+  // a register pair kept for the whole step made the compiler spill)
+  __device__ const __nv_bfloat16* x_in() const {
+    if (!p.xidx) return p.x;
+    return p.x + min(max(__ldcg(p.xidx) + p.xoff, (int64_t)0), p.xrows - 1) * p.DIM;
+  }
+
+  // rows of the head a chunk (see run_layers): whole stages whose partial sums fit `parts`
+  // (decode_stack_cuda.head_chunks is the same arithmetic)
+  __device__ int head_rows() const {
+    const int rps = kStageElems / p.DIM;
+    return kMaxParts / (p.DIM / kSeg) / rps * rps;
   }
 
   __device__ void run() {
@@ -944,20 +1005,30 @@ struct Consumer {
     // thread r's register copies of the residual's rows 2r, 2r + 1 of the SM's o/down rows (at
     // most 2 kConsumers rows an SM: the launcher checks), so the phase ends do not read them back
     float2 resid = make_float2(0.f, 0.f);
-    for (int l = 0; l < p.L; ++l) {
-      want = epoch * (uint32_t)p.L + (uint32_t)l + 1u;
-      const __nv_bfloat16* nw = p.nrm + (int64_t)l * 2 * p.DIM;
+    // After the last layer, the head (if any) in p.nhead chunks of rows whose partial sums fit
+    // `parts` (whole stages; the launcher's bound, a parameter: a loop bound in a register spilled):
+    // each chunk is Q's steps again, with the final norm's weight
+    for (int l = 0; l < p.L + p.nhead; ++l) {
+      const bool head = l >= p.L;
+      want = epoch * (uint32_t)p.L + (uint32_t)min(l, p.L) + 1u;  // (a head chunk polls the last layer's down)
+      const __nv_bfloat16* nw = head ? p.fnorm : p.nrm + (int64_t)l * 2 * p.DIM;
       const bool attends = pid < nitem && p.mode < 2;  // (probe modes 2 and 3 skip the attention)
       if (attends && l == 0) att_prefetch(att_setup(0, pid));  // (later layers': after the attention before)
       // Q (an SM with no rows of a phase reads nothing of it: a row it waited for could already
       // be the next layer's)
       float xr[32], wr[32];
-      const Slice sq = sl(l, 0);
+      Slice sq = sl(l, head ? 5 : 0);
+      if (head) {
+        const int r0 = (l - p.L) * head_rows();
+        sq.row0 += r0;
+        sq.n = max(0, min(head_rows(), sq.n - r0));
+        sq.nst = (sq.n + sq.rps - 1) / sq.rps;
+      }
       if (sq.n > 0) {
         load_x(nw, p.DIM, wr);  // (no earlier kernel or phase writes the weights: before the rows)
         uint32_t t0 = now<kTimed>();
         if (l == 0) {
-          load_x(p.x, p.DIM, xr);
+          load_x(x_in(), p.DIM, xr);
         } else {
           load_x_ll(p.resd, p.DIM, want - 1u, xr);  // (the previous layer's down)
         }
@@ -969,6 +1040,13 @@ struct Consumer {
       slice_stages(sq, 0, xr);
       uint32_t te = now<kTimed>();
       consumers_sync();
+      if (head) {  // the chunk's logits (then its partial sums are free for the next chunk's)
+#pragma unroll 1
+        for (int r = tid; r < sq.n; r += kConsumers) p.logits[sq.row0 + r] = __float2bfloat16(row_sum(sq, 0, r));
+        consumers_sync();
+        tally(13, now<kTimed>() - te);
+        continue;
+      }
       put_rows(p.qkv, sq, [&](int r) { return row_sum(sq, 0, r); });
       tally(13, now<kTimed>() - te);
       // A
@@ -1031,17 +1109,151 @@ struct Consumer {
       add_residual(p.resd, sd, false, resid);
       tally(13, now<kTimed>() - te);
     }
+    want = epoch * (uint32_t)p.L + (uint32_t)p.L;  // (the last layer's flag: the head's chunks moved it on)
     if (pid == 0) {  // the final norm of the last layer's residual rows
       norm_into_xs(p.resd, p.fnorm);
 #pragma unroll 1
       for (int k = tid; k < p.DIM; k += kConsumers) p.out[k] = __float2bfloat16(xs[k]);
     }
     // The last SM done advances the epoch: every SM has read it by then, and the next step (the
-    // next kernel, after this one completes) sees it.
+    // next kernel, after this one completes) sees it. With a token to sample it samples it first:
+    // every SM's logits are written before it counts itself done.
+    if (p.tok) __threadfence();
     consumers_sync();
-    if (tid == 0 && atom_acq_rel_add(p.ctl + 1, 1) == P - 1) {
+    if (!p.tok) {
+      if (tid == 0 && atom_acq_rel_add(p.ctl + 1, 1) == P - 1) {
+        p.ctl[1] = 0;
+        p.ctl[0] = (int)(epoch + 1u);
+      }
+      return;
+    }
+    int* last = sample_red();
+    if (tid == 0) *last = atom_acq_rel_add(p.ctl + 1, 1) == P - 1;
+    consumers_sync();
+    if (!*last) return;
+#ifndef REALTIME_STACK_NO_SAMPLER  // (a build without it: the test of the layer loop's code size)
+    sample_token();
+#endif
+    if (tid == 0) {
       p.ctl[1] = 0;
       p.ctl[0] = (int)(epoch + 1u);
+    }
+  }
+
+  // The sampler's block reductions: 16 words of the row table, which nothing reads after the
+  // step's last stage (the `red` pointer kept live to the step's end spilled)
+  __device__ int* sample_red() const {
+    static_assert(sizeof(Rows) >= 2 * kConsumerWarps * sizeof(int), "the sampler's scratch");
+    return const_cast<int*>(reinterpret_cast<const int*>(rows));
+  }
+
+  // n summed over the consumer threads (every thread gets the sum)
+  __device__ int block_count(int n) {
+    n = __reduce_add_sync(0xffffffffu, n);
+    int* r = sample_red();
+    consumers_sync();  // (the previous use read)
+    if (lane == 0) r[warp] = n;
+    consumers_sync();
+    int t = 0;
+#pragma unroll
+    for (int i = 0; i < kConsumerWarps; ++i) t += r[i];
+    return t;
+  }
+
+  // The head's token (Params::tok) from the logits every SM wrote, on the last SM done: the
+  // Triton small-vocabulary sampler's steps for bf16 logits (16-bit order keys, the k-th largest
+  // by bisection, ties at it kept lowest index first, Gumbel-max over the kept, argmax's first
+  // index). The row goes into the ring's memory, free once the step's stages are consumed; each
+  // thread holds a contiguous run of it, so index order is thread order.
+  __device__ void sample_token() {
+    const int V = p.V;
+    // (the ring's start worked out from xs, which follows it: ring.buf kept live to here spilled)
+    float* xv = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) - (size_t)p.nstages * kStageBytes);
+    uint16_t* kv = reinterpret_cast<uint16_t*>(xv + V);  // [V] their order keys
+    const float t_in = *p.s_temp;
+    const bool greedy = t_in <= 0.f;
+    const float temp = greedy ? 1.f : t_in;
+    const int64_t k = *p.s_topk;
+    const bool topk_on = k > 0 && k < V && temp > 0.f && !greedy;
+    const int c = (V + kConsumers - 1) / kConsumers;
+    const int v0 = min(V, tid * c), v1 = min(V, v0 + c);
+#pragma unroll 1
+    for (int v = v0; v < v1; ++v) {
+      const uint32_t bits = __ldcg(reinterpret_cast<const unsigned short*>(p.logits) + v);
+      xv[v] = __fdiv_rn(__uint_as_float(bits << 16), temp);
+      kv[v] = (uint16_t)(bits ^ ((bits >> 15) ? 0xFFFFu : 0x8000u));
+    }
+    uint32_t thr = 0;
+    int krem = (int)min(k, (int64_t)V);
+    if (topk_on) {  // the k-th largest key: the largest t with #(key >= t) >= k, a bit at a time
+#pragma unroll 1
+      for (int b = 15; b >= 0; --b) {
+        const uint32_t cand = thr | (1u << b);
+        int n = 0;
+#pragma unroll 1
+        for (int v = v0; v < v1; ++v) n += kv[v] >= cand;
+        if (block_count(n) >= krem) thr = cand;
+      }
+      int n = 0;
+#pragma unroll 1
+      for (int v = v0; v < v1; ++v) n += kv[v] > thr;
+      krem -= block_count(n);
+    }
+    // keys equal to the threshold before this thread's run (an exclusive scan over the threads)
+    int eq = 0;
+#pragma unroll 1
+    for (int v = v0; v < v1 && topk_on; ++v) eq += kv[v] == thr;
+    int inc = eq;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, inc, o);
+      if (lane >= o) inc += y;
+    }
+    int* r = sample_red();
+    float* rb = reinterpret_cast<float*>(r + kConsumerWarps);
+    consumers_sync();
+    if (lane == 31) r[warp] = inc;
+    consumers_sync();
+    int rank = inc - eq;
+    for (int i = 0; i < warp; ++i) rank += r[i];
+    const uint32_t key = greedy ? 0u : row_key(*p.s_seed, *p.s_step + p.s_add);
+    float best = -INFINITY;
+    int bi = V;
+#pragma unroll 1
+    for (int v = v0; v < v1; ++v) {
+      const uint32_t kk = kv[v];
+      bool keep = !topk_on || kk > thr;
+      if (topk_on && kk == thr) keep = rank++ < krem;
+      const float val = greedy ? xv[v] : keep ? xv[v] + gumbel(key, v) : -INFINITY;
+      if (val > best || bi == V) {  // (the first index of the largest; -inf rows: the first index)
+        best = val;
+        bi = v;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {  // (the larger value; on a tie, the lower index)
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ob > best || (ob == best && oi < bi)) {
+        best = ob;
+        bi = oi;
+      }
+    }
+    consumers_sync();
+    if (lane == 0) {
+      rb[warp] = best;
+      r[warp] = bi;
+    }
+    consumers_sync();
+    if (tid == 0) {
+      float b = rb[0];
+      int i0 = r[0];
+      for (int w = 1; w < kConsumerWarps; ++w)
+        if (rb[w] > b || (rb[w] == b && r[w] < i0)) {
+          b = rb[w];
+          i0 = r[w];
+        }
+      *p.tok = i0 < V ? i0 : 0;
     }
   }
 };
@@ -1064,7 +1276,7 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   Rows* rows = reinterpret_cast<Rows*>(st + kStats);
   ring.full = reinterpret_cast<uint64_t*>(rows + 1);
   ring.empty = ring.full + ring.n;
-  if (tid < 5) fill_rows(p, pid, P, tid, rows);
+  if (tid < 6) fill_rows(p, pid, P, tid, rows);
   if (tid == 0) {
     for (int i = 0; i < ring.n; ++i) {
       mbar_init(&ring.full[i], 1);
@@ -1096,9 +1308,9 @@ int realtime_stack_stage_bytes() { return kStageBytes; }
 int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
-// a: pointers and int64 strides (see Params, in order; then stats or 0), f: eps and qk_scale, n:
-// the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff). Returns a
-// cudaError_t.
+// a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
+// whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0), f: eps and qk_scale, n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS,
+// nstages, mode, inflight, balance, backoff, V, nhead). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -1143,6 +1355,19 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.inflight = n[10];
   p.balance = n[11];
   p.backoff = n[12];
+  p.xidx = reinterpret_cast<const int64_t*>(a[27]);
+  p.xoff = a[28];
+  p.xrows = a[29];
+  p.whead = reinterpret_cast<const __nv_bfloat16*>(a[30]);
+  p.logits = reinterpret_cast<__nv_bfloat16*>(a[31]);
+  p.V = n[13];
+  p.nhead = n[14];
+  p.s_temp = reinterpret_cast<const float*>(a[32]);
+  p.s_topk = reinterpret_cast<const int64_t*>(a[33]);
+  p.s_seed = reinterpret_cast<const int64_t*>(a[34]);
+  p.s_step = reinterpret_cast<const int64_t*>(a[35]);
+  p.s_add = a[36];
+  p.tok = reinterpret_cast<int64_t*>(a[37]);
   static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
   const bool timed = p.stats != nullptr;
   cudaError_t e;

@@ -510,3 +510,76 @@ def test_cuda_graph_prefill_equals_eager(ckpts):
     gpu.prefill_many(graphed, slots[:1], prompts[:1], graphs=graphs)  # bucket (1, 16)
     gpu.prefill_many(graphed, slots, prompts, graphs=graphs)  # bucket (4, 64)
     _assert_same_slots(gpu, eager, graphed, slots, prompts, exact=False)
+
+
+def test_projected_depth_inputs_are_the_depth_inputs(ckpts):
+    """``project_depth_inputs`` (the table the CUDA stack's fused depth pass gathers from) holds
+    ``_depth_input(code, codebook)`` for every codebook and code, in float32 to rounding."""
+    _, _, cpu = ckpts["k6_plain"]
+    table = cpu.project_depth_inputs()
+    v = cpu.audio_vocab_size
+    assert table.shape == (cpu.num_codebooks * v, cpu.config.depth.dim)
+    for cb in range(cpu.num_codebooks):
+        torch.testing.assert_close(table[cb * v:(cb + 1) * v], cpu._depth_input(torch.arange(v), cb), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_fused_depth_passes_give_the_unfused_logits(monkeypatch):
+    """With the CUDA stack (REALTIME_STACK=csm, REALTIME_STACK_KERNEL=cuda), a depth pass past the
+    first is one kernel: the input row gathered from ``depth_inputs``, the layers, the codebook
+    head and its code sampled. With an exact projector (a selection matrix) its inputs are the
+    unfused pass's bit for bit, so the greedy codes must be the unfused ones up to the first
+    where they part, and that one only at a near tie of the unfused logits (the head's sums run
+    in another order)."""
+    from realtime.kernels import decode_stack_cuda as dsc
+
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    import realtime.engines.csm as csm_mod
+    import realtime.engines.transformer as tr
+    from realtime.engines.csm import CSMConfig
+    from realtime.engines.transformer import TransformerConfig
+
+    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
+    monkeypatch.setattr(tr, "_STACK", "csm")
+    monkeypatch.setattr(tr, "_stack_owner", [])
+    widths = dict(dim=1024, n_heads=8, n_kv_heads=2, head_dim=128, intermediate_size=2048, max_seq_len=64,
+                  rope_theta=500000.0)
+    cfg = CSMConfig(backbone=TransformerConfig(n_layers=1, **widths), depth=TransformerConfig(n_layers=2, **widths),
+                    num_codebooks=8, text_vocab_size=300)
+    torch.manual_seed(0)
+    model = CSM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+        model.depth_projector.weight.copy_(torch.eye(1024))
+    model = model.to("cuda", torch.bfloat16).eval()
+    model.fuse_projections()
+    assert model.depth.stack_cuda and model.depth_inputs is not None
+    seen: list = []
+    monkeypatch.setattr(csm_mod, "_sample", lambda logits, *a, f=csm_mod._sample: seen.append(logits.clone()) or f(logits, *a))
+
+    def frame():  # noqa: ANN202
+        seen.clear()
+        state = model.new_batch(1, 64)
+        model.prefill(state, 0, torch.arange(3, 12)[None])
+        one = torch.ones(1, dtype=torch.long)
+        codes = model.step(state, one * 0, torch.zeros(1), one * 0, one * 7)[0].cpu()
+        return codes, list(seen)
+
+    fused_codes, fused = frame()
+    table = model.depth_inputs
+    model.depth_inputs = None  # every pass unfused: the gather, the projector, the stack, the head
+    plain_codes, plain = frame()
+    model.depth_inputs = table
+    assert len(fused) == 2 and len(plain) == cfg.num_codebooks  # fused: _sample for codebooks 0 and 1 only
+    for i in range(2):
+        assert torch.equal(fused[i], plain[i])
+    for i in range(cfg.num_codebooks):
+        if fused_codes[i] != plain_codes[i]:  # a near tie: the rest follows other codes
+            top = plain[i].float().topk(2).values[0]
+            assert float(top[0] - top[1]) < 0.05 * float(top[0].abs()), (i, top)
+            break
+    assert int(fused_codes.min()) >= 0 and int(fused_codes.max()) < cfg.audio_vocab_size
+    assert dsc.errors(model.depth.stack) == 0

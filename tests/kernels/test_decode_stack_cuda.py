@@ -73,14 +73,21 @@ def test_kernel_code_fits_the_instruction_cache(tmp_path) -> None:
     nvcc = dsc._nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed here (the device test builds it)")
-    out = tmp_path / "k.cubin"
-    res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-o", str(out),
-                          str(SRC)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    sizes = {k: v for k, v in _text_sizes(out.read_bytes()).items() if "stack_kernel" in k}
-    assert len(sizes) == 2, sizes  # the step and its timed build
-    step = next(v for k, v in sizes.items() if "ILb0E" in k)
-    assert step <= 120 * 1024, f"the step's code is {step / 1024:.0f} KB"
+
+    def step_code(*flags: str) -> int:
+        out = tmp_path / "k.cubin"
+        res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-cubin", *flags,
+                              "-o", str(out), str(SRC)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        sizes = {k: v for k, v in _text_sizes(out.read_bytes()).items() if "stack_kernel" in k}
+        assert len(sizes) == 2, sizes  # the step and its timed build
+        return next(v for k, v in sizes.items() if "ILb0E" in k)
+
+    # the layer loop's code, without the token sampler (which runs once a step, on one SM, after
+    # the last layer: ~11 KB that no layer fetches), and the whole step with it
+    layers, whole = step_code("-DREALTIME_STACK_NO_SAMPLER"), step_code()
+    assert layers <= 120 * 1024, f"the step's code without its sampler is {layers / 1024:.0f} KB"
+    assert whole - layers <= 12 * 1024, f"the sampler's code is {(whole - layers) / 1024:.0f} KB"
 
 
 @pytest.mark.parametrize("n", [2, 64, 2048, 3072, 8192])
@@ -235,6 +242,136 @@ def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: di
     torch.cuda.synchronize()
     assert dsc.errors(model.stack) == 0
     assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
+
+
+def test_head_chunks_fit_the_partial_sums() -> None:
+    """A head's rows go through the kernel in chunks whose partial sums fit kMaxParts (1024
+    floats): the most rows any SM has, over the rows a chunk (whole 16 KB stages)."""
+    assert dsc.head_chunks(0, 2048, 132, 72, -1) == 0  # no head
+    assert dsc.head_chunks(2051, 1024, 132, 2, -1) == 1  # a CSM codebook head: 16 rows an SM
+    assert dsc.head_chunks(128256, 2048, 132, 72, -1) == 2  # Llama-3.2-1B's LM head: 972 rows, 512 a chunk
+    assert dsc.head_chunks(140001, 1024, 132, 8, -1) == 2  # 1062 rows, 1024 a chunk
+    assert dsc.head_chunks(4096, 8192, 132, 8, 80) == 1  # 8192 wide: 1 row a stage, 128 a chunk
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [CFG, DEPTH], ids=["llama", "depth"])
+@pytest.mark.parametrize("vocab", [2051, 140001])
+def test_table_row_and_head_in_the_same_kernel(cfg: TransformerConfig, vocab: int) -> None:
+    """x_index: the kernel gathers its input row from a table (at the index plus an offset,
+    clamped into the table), and the step is the one of that row passed in, bit for bit (output
+    and caches). head: the logits of the final-norm output, within the bf16 rounding of a product
+    of it (140001 rows: two chunks of rows on every SM, an odd count: the last SM's rows odd)."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model = _pair(cfg)[0]
+    w = model.stack
+    cache, slots = _prefilled(model, 21, slot=2)
+    pos = torch.tensor([21], device="cuda")
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    table = torch.randn(300, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    head = (torch.randn(vocab, cfg.dim, device="cuda") * 0.05).to(torch.bfloat16)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    for idx, off, row in ((7, 3, 10), (0, 0, 0), (295, 40, 299), (-50, 0, 0)):
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        want = dsc.decode_stack_cuda(w, table[row:row + 1].contiguous(), pos, cache.k, cache.v, slots, cos, sin)
+        wk, wv = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        index = torch.tensor([idx], device="cuda")
+        out, logits = dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin, x_index=index,
+                                            x_offset=off, head=head)
+        torch.cuda.synchronize()
+        assert dsc.errors(w) == 0
+        assert torch.equal(out, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv), (idx, off)
+        ref = (out.float() @ head.float().t()).to(torch.bfloat16)
+        assert logits.shape == (1, vocab) and logits.dtype == torch.bfloat16
+        assert _rel(logits, ref) < 1e-2, _rel(logits, ref)
+        assert (logits.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+    plain = dsc.decode_stack_cuda(w, table[:1].contiguous(), pos, cache.k, cache.v, slots, cos, sin)
+    assert isinstance(plain, torch.Tensor)  # no head: the output alone, as before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temp, top_k", [(0.0, 0), (0.9, 50), (1.0, 0), (0.7, 1), (1.3, 7), (1.1, 2051), (0.5, 2050)])
+def test_token_sampled_in_the_kernel_is_the_samplers(temp: float, top_k: int) -> None:
+    """The token the last SM samples from the kernel's own logits is the one kernels/sampling.py
+    samples from them (greedy; top-k on, off, of one, of all but one; Gumbel noise of the seed and
+    the step plus step_add), over several seeds and steps: bf16 logits of a 2051-row head repeat
+    values, so ties at the top-k threshold occur."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    from realtime.kernels.sampling import sample
+
+    model = _pair(DEPTH)[0]
+    w = model.stack
+    cache, slots = _prefilled(model, 9, slot=0)
+    pos = torch.tensor([9], device="cuda")
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    table = torch.randn(64, DEPTH.dim, device="cuda", dtype=torch.bfloat16)
+    head = (torch.randn(2051, DEPTH.dim, device="cuda") * 0.1).to(torch.bfloat16)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    dev = "cuda"
+    for i, (seed, step, add) in enumerate(((0, 0, 0), (7, 31, 5), (-3, 2**33 + 1, 30), (123456789012, 4, 1))):
+        rows = (torch.tensor([temp], device=dev), torch.tensor([top_k], device=dev), torch.tensor([seed], device=dev),
+                torch.tensor([step], device=dev))
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        token = torch.full((1,), -1, dtype=torch.long, device=dev)
+        out, logits, tok = dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin,
+                                                 x_index=torch.tensor([i], device=dev), head=head,
+                                                 sample=(*rows, add), token=token)
+        want = sample(logits, rows[0], rows[1], rows[2], rows[3] + add)
+        torch.cuda.synchronize()
+        assert tok is token and dsc.errors(w) == 0
+        assert int(token) == int(want), (seed, step, add, int(token), int(want))
+
+
+@pytest.mark.gpu
+def test_decode_row_fused_is_the_engine_step_with_its_gather_and_head(monkeypatch) -> None:
+    """Transformer.decode_row_fused (the text engine's and CSM's depth passes' one kernel): the
+    final-norm output equals the engine's CUDA-stack step on the gathered row bit for bit, the
+    logits are that output's product with the head within bf16 rounding, in a CUDA graph too; it
+    declines (None) where the CUDA stack does not take the step."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    import realtime.engines.transformer as tr
+
+    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
+    model = _model(4)
+    assert model.stack_cuda
+    cache, slots = _prefilled(model, 33, slot=1)
+    table = torch.randn(64, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    head = (torch.randn(3001, CFG.dim, device="cuda") * 0.05).to(torch.bfloat16)
+    index = torch.tensor([5], device="cuda")
+    pos = torch.tensor([33], device="cuda")
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    with torch.no_grad():
+        want = model._decode(table[9:10][:, None], pos, cache, slots)[:, 0]
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    h, logits, none = model.decode_row_fused(table, index, pos, cache, slots, head, offset=4)
+    assert none is None
+    assert torch.equal(h, want)
+    ref = (h.float() @ head.float().t()).to(torch.bfloat16)
+    assert _rel(logits, ref) < 1e-2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gh, glog, _ = model.decode_row_fused(table, index, pos, cache, slots, head, offset=4)
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    index.fill_(2)  # row 6 now
+    g.replay()
+    torch.cuda.synchronize()
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    with torch.no_grad():
+        want6 = model._decode(table[6:7][:, None], pos, cache, slots)[:, 0]
+    assert torch.equal(gh, want6) and _rel(glog, (want6.float() @ head.float().t()).to(torch.bfloat16)) < 1e-2
+    assert model.decode_row_fused(table.float(), index, pos, cache, slots, head) is None  # not the stack's dtype
+    assert model.decode_row_fused(table, index.repeat(2), pos.repeat(2), cache, slots.repeat(2), head) is None
+    assert dsc.errors(model.stack) == 0
 
 
 @pytest.mark.gpu
