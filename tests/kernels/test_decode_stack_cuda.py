@@ -254,6 +254,32 @@ def test_head_chunks_fit_the_partial_sums() -> None:
     assert dsc.head_chunks(4096, 8192, 132, 8, 80) == 1  # 8192 wide: 1 row a stage, 128 a chunk
 
 
+def _engine_model(monkeypatch, seed: int) -> Transformer:  # noqa: ANN001
+    """``_model(seed)`` as the engines load it with REALTIME_STACK_KERNEL=cuda: its one-row steps
+    take the CUDA stack (skips without an sm_90 GPU and nvcc)."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    import realtime.engines.transformer as tr
+
+    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
+    model = _model(seed)
+    assert model.stack_cuda
+    return model
+
+
+def _gather_case(cfg: TransformerConfig, prompt: int, rows: int, vocab: int, scale: float):  # noqa: ANN202
+    """A one-row step of ``cfg``'s stack at position ``prompt`` with a table of ``rows`` input rows
+    and a head of ``vocab`` rows (weights of ``scale``): (stack, cache, slots, pos, cos, sin,
+    table, head, and the caches' contents to restore)."""
+    model = _pair(cfg)[0]
+    cache, slots = _prefilled(model, prompt, slot=2)
+    pos = torch.tensor([prompt], device="cuda")
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    table = torch.randn(rows, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    head = (torch.randn(vocab, cfg.dim, device="cuda") * scale).to(torch.bfloat16)
+    return model.stack, cache, slots, pos, cos, sin, table, head, (cache.k.clone(), cache.v.clone())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [CFG, DEPTH], ids=["llama", "depth"])
 @pytest.mark.parametrize("vocab", [2051, 140001])
@@ -264,14 +290,7 @@ def test_table_row_and_head_in_the_same_kernel(cfg: TransformerConfig, vocab: in
     of it (140001 rows: two chunks of rows on every SM, an odd count: the last SM's rows odd)."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
-    model = _pair(cfg)[0]
-    w = model.stack
-    cache, slots = _prefilled(model, 21, slot=2)
-    pos = torch.tensor([21], device="cuda")
-    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
-    table = torch.randn(300, cfg.dim, device="cuda", dtype=torch.bfloat16)
-    head = (torch.randn(vocab, cfg.dim, device="cuda") * 0.05).to(torch.bfloat16)
-    k0, v0 = cache.k.clone(), cache.v.clone()
+    w, cache, slots, pos, cos, sin, table, head, (k0, v0) = _gather_case(cfg, 21, 300, vocab, 0.05)
     for idx, off, row in ((7, 3, 10), (0, 0, 0), (295, 40, 299), (-50, 0, 0)):
         cache.k.copy_(k0)
         cache.v.copy_(v0)
@@ -304,14 +323,7 @@ def test_token_sampled_in_the_kernel_is_the_samplers(temp: float, top_k: int) ->
         pytest.skip("needs an sm_90 GPU and nvcc")
     from realtime.kernels.sampling import sample
 
-    model = _pair(DEPTH)[0]
-    w = model.stack
-    cache, slots = _prefilled(model, 9, slot=0)
-    pos = torch.tensor([9], device="cuda")
-    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
-    table = torch.randn(64, DEPTH.dim, device="cuda", dtype=torch.bfloat16)
-    head = (torch.randn(2051, DEPTH.dim, device="cuda") * 0.1).to(torch.bfloat16)
-    k0, v0 = cache.k.clone(), cache.v.clone()
+    w, cache, slots, pos, cos, sin, table, head, (k0, v0) = _gather_case(DEPTH, 9, 64, 2051, 0.1)
     dev = "cuda"
     for i, (seed, step, add) in enumerate(((0, 0, 0), (7, 31, 5), (-3, 2**33 + 1, 30), (123456789012, 4, 1))):
         rows = (torch.tensor([temp], device=dev), torch.tensor([top_k], device=dev), torch.tensor([seed], device=dev),
@@ -334,13 +346,7 @@ def test_decode_row_fused_is_the_engine_step_with_its_gather_and_head(monkeypatc
     final-norm output equals the engine's CUDA-stack step on the gathered row bit for bit, the
     logits are that output's product with the head within bf16 rounding, in a CUDA graph too; it
     declines (None) where the CUDA stack does not take the step."""
-    if not dsc.available():
-        pytest.skip("needs an sm_90 GPU and nvcc")
-    import realtime.engines.transformer as tr
-
-    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
-    model = _model(4)
-    assert model.stack_cuda
+    model = _engine_model(monkeypatch, 4)
     cache, slots = _prefilled(model, 33, slot=1)
     table = torch.randn(64, CFG.dim, device="cuda", dtype=torch.bfloat16)
     head = (torch.randn(3001, CFG.dim, device="cuda") * 0.05).to(torch.bfloat16)
@@ -424,13 +430,7 @@ def test_engine_takes_the_cuda_stack_when_asked(monkeypatch) -> None:
     """REALTIME_STACK_KERNEL=cuda: ``enable_decode_stack`` turns the CUDA stack on for a bf16 model
     of widths it takes, and the engine's one-row step is then the CUDA kernel's (bit for bit);
     rows beyond one keep the Triton stack."""
-    if not dsc.available():
-        pytest.skip("needs an sm_90 GPU and nvcc")
-    import realtime.engines.transformer as tr
-
-    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
-    model = _model(2)
-    assert model.stack_cuda
+    model = _engine_model(monkeypatch, 2)
     cache, slots = _prefilled(model, 50, slot=0)
     x = torch.randn(1, 1, CFG.dim, device="cuda", dtype=torch.bfloat16)
     pos = torch.tensor([50], device="cuda")
