@@ -224,7 +224,8 @@ class CSM(nn.Module):
         self.register_buffer("codebooks_head_t", None, persistent=False)
         # Set by fuse_projections when the depth decoder's one-row step is the CUDA stack: every
         # depth input projected ahead ([K V, Dd]: depth_projector(depth_embed_audio)), so that a
-        # depth pass is one kernel (the row gathered, the layers, the codebook head) and a sampler.
+        # depth pass past the first is one kernel (the row gathered, the layers, the codebook head,
+        # its code sampled).
         self.register_buffer("depth_inputs", None, persistent=False)
         self.gemv_lm_head = self.gemv_projector = self.gemv_codebooks = False
 
