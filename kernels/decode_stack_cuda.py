@@ -49,7 +49,7 @@ INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the wh
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 # A head sampled in the kernel: its logits and order keys (6 bytes a row) go into the ring's first
 # two stages (there are always at least two) on the last SM
-MAX_SAMPLE_V = 2 * 16384 // 6
+MAX_SAMPLE_V = 2 * (2 * _STAGE_ELEMS) // 6
 STATS = 18  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
               "polls for the residual (q|k|v)", "polls for q|k|v (the attention)", "polls for the heads (o)",
@@ -269,6 +269,10 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     if x_index is not None:
         check(x_index.shape == (1,) and x_index.dtype == torch.long and x_index.device == x.device,
               "x_index: int64 [1] on the table's GPU")
+    if head is not None:
+        check(head.dim() == 2 and head.shape[1] == dim and head.shape[0] >= 1 and head.dtype == torch.bfloat16
+              and head.is_contiguous() and head.device == x.device and head.data_ptr() % 16 == 0,
+              f"head: contiguous bf16 [V, {dim}] on the GPU, got {tuple(head.shape)} {head.dtype}")
     if sample is not None:
         check(head is not None and head.shape[0] <= MAX_SAMPLE_V,
               f"sampling in the kernel needs a head of at most {MAX_SAMPLE_V} rows")
@@ -280,10 +284,6 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
         if token is None:
             token = torch.empty(1, device=x.device, dtype=torch.long)
         check(token.dtype == torch.long and token.numel() == 1 and token.device == x.device, "token: int64 [1] on the GPU")
-    if head is not None:
-        check(head.dim() == 2 and head.shape[1] == dim and head.shape[0] >= 1 and head.dtype == torch.bfloat16
-              and head.is_contiguous() and head.device == x.device and head.data_ptr() % 16 == 0,
-              f"head: contiguous bf16 [V, {dim}] on the GPU, got {tuple(head.shape)} {head.dtype}")
     check(all(t.dtype == torch.bfloat16 and t.is_cuda for t in (w.qkv, w.o, w.gate_up, w.down, w.norms, w.final,
                                                                  k_cache, v_cache, cos, sin)),
           "decode_stack_cuda: weights, caches and angle tables must be bf16 on the GPU")

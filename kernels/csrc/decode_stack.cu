@@ -1309,8 +1309,9 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
-// whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0), f: eps and qk_scale, n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS,
-// nstages, mode, inflight, balance, backoff, V, nhead). Returns a cudaError_t.
+// whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0), f: eps and qk_scale,
+// n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff, V,
+// nhead). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
