@@ -285,6 +285,18 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
             f"{float((a1 - a3).norm() / a3.norm()):.2e} (relative); poll timeouts {dsc.errors(w)}")
         row(f"gather + CUDA stack + head GEMV ({args.head_rows} rows): 3 launches", three, nbytes)
         row(f"CUDA stack with the gather and the head ({args.head_rows} rows): 1 kernel", one, nbytes)
+        if args.head_rows <= dsc.MAX_SAMPLE_V:  # the token sampled in the kernel too (a CSM depth pass)
+            token = torch.zeros(1, device=step_x.device, dtype=torch.long)
+            seeds = torch.tensor([7], device=step_x.device)
+            steps = torch.tensor([3], device=step_x.device)
+            for t, k, what in ((0.9, 50, "sampled (temperature 0.9, top-k 50)"), (0.0, 0, "greedy")):
+                sample = (torch.tensor([t], device=step_x.device), torch.tensor([k], device=step_x.device),
+                          seeds, steps, 0)
+
+                def sampled(sample=sample) -> torch.Tensor:
+                    return dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin, x_index=index,
+                                                 head=head, sample=sample, token=token)[2]
+                row(f"CUDA stack with the gather, the head and the token {what}: 1 kernel", sampled, nbytes)
     # Where the CUDA stack's time goes: each SM's cycle counts for one step, and the step without
     # its waits (mode 1) and without its arithmetic too (mode 2: how fast the weights stream alone)
     # (mode 3: no waits and no attention, so mode 1 - mode 3 is what the attention's own work costs

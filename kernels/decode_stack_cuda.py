@@ -47,9 +47,9 @@ _MAX_PARTS = 1024  # kMaxParts: float partial sums a phase
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
-# A head sampled in the kernel: its logits and order keys (6 bytes a row) go into the ring's first
-# two stages (there are always at least two) on the last SM
-MAX_SAMPLE_V = 2 * (2 * _STAGE_ELEMS) // 6
+# A head sampled in the kernel: its order keys (rounded up to 8) and scaled logits (6 bytes a row)
+# go into the ring's first two stages (there are always at least two) on the last SM
+MAX_SAMPLE_V = (2 * (2 * _STAGE_ELEMS) - 14) // 6
 STATS = 18  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
               "polls for the residual (q|k|v)", "polls for q|k|v (the attention)", "polls for the heads (o)",

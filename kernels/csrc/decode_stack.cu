@@ -48,6 +48,7 @@ constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kThreads = kConsumers + 32;  // + the producer warp
 constexpr int kStageBytes = 16384;
 constexpr int kStageElems = kStageBytes / 2;
+constexpr int kSampleVecs = 3;  // the sampler's 16-byte loads a thread: V <= MAX_SAMPLE_V (5459) is 682 of them
 constexpr int kSeg = kStageElems / kConsumerWarps;  // elements a warp multiplies a stage (1024)
 constexpr int kKeys = 32;                            // keys an attention block
 constexpr int kMaxParts = 1024;                      // float partial sums a phase (checked by the launcher)
@@ -1147,29 +1148,36 @@ struct Consumer {
     return const_cast<int*>(reinterpret_cast<const int*>(rows));
   }
 
-  // n summed over the consumer threads (every thread gets the sum)
-  __device__ int block_count(int n) {
-    n = __reduce_add_sync(0xffffffffu, n);
-    int* r = sample_red();
-    consumers_sync();  // (the previous use read)
-    if (lane == 0) r[warp] = n;
-    consumers_sync();
-    int t = 0;
-#pragma unroll
-    for (int i = 0; i < kConsumerWarps; ++i) t += r[i];
-    return t;
-  }
-
   // The head's token (Params::tok) from the logits every SM wrote, on the last SM done: the
   // Triton small-vocabulary sampler's steps for bf16 logits (16-bit order keys, the k-th largest
   // by bisection, ties at it kept lowest index first, Gumbel-max over the kept, argmax's first
-  // index). The row goes into the ring's memory, free once the step's stages are consumed; each
-  // thread holds a contiguous run of it, so index order is thread order.
+  // index). The row goes into the ring's memory, free once the step's stages are consumed: its
+  // order keys at the ring's start, its scaled logits after them; each thread holds a contiguous
+  // run of it, so index order is thread order. This runs on the chain of every step that samples
+  // (a CSM depth pass), so it takes few round trips: the row arrives in one (16-byte loads, all
+  // issued before any is used; one at a time, 9 a thread at V = 2051, they were 9 round trips to
+  // L2), the bisection takes two bits a round with one barrier each (8 rounds, not 16 at two).
   __device__ void sample_token() {
     const int V = p.V;
     // (the ring's start worked out from xs, which follows it: ring.buf kept live to here spilled)
-    float* xv = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) - (size_t)p.nstages * kStageBytes);
-    uint16_t* kv = reinterpret_cast<uint16_t*>(xv + V);  // [V] their order keys
+    uint16_t* kv = reinterpret_cast<uint16_t*>(reinterpret_cast<unsigned char*>(xs) - (size_t)p.nstages * kStageBytes);
+    float* xv = reinterpret_cast<float*>(kv + ((V + 7) & ~7));  // (16-byte aligned; the launcher's bound)
+    {  // the raw bf16 row into kv: 8 rows a 16-byte load (the logits are the launcher's own allocation,
+       // 16-byte aligned), the rows past the last whole 8 one by one
+      const unsigned short* lg = reinterpret_cast<const unsigned short*>(p.logits);
+      const int nvec = V >> 3;
+      uint4 r[kSampleVecs];
+#pragma unroll
+      for (int j = 0; j < kSampleVecs; ++j)
+        if (tid + j * kConsumers < nvec) r[j] = __ldcg(reinterpret_cast<const uint4*>(lg) + tid + j * kConsumers);
+      const int v = nvec * 8 + tid;
+      const unsigned short t = v < V ? __ldcg(lg + v) : (unsigned short)0;
+#pragma unroll
+      for (int j = 0; j < kSampleVecs; ++j)
+        if (tid + j * kConsumers < nvec) reinterpret_cast<uint4*>(kv)[tid + j * kConsumers] = r[j];
+      if (v < V) kv[v] = t;
+    }
+    consumers_sync();
     const float t_in = *p.s_temp;
     const bool greedy = t_in <= 0.f;
     const float temp = greedy ? 1.f : t_in;
@@ -1178,56 +1186,94 @@ struct Consumer {
     const int c = (V + kConsumers - 1) / kConsumers;
     const int v0 = min(V, tid * c), v1 = min(V, v0 + c);
 #pragma unroll 1
-    for (int v = v0; v < v1; ++v) {
-      const uint32_t bits = __ldcg(reinterpret_cast<const unsigned short*>(p.logits) + v);
+    for (int v = v0; v < v1; ++v) {  // (in place: the thread's own run)
+      const uint32_t bits = kv[v];
       xv[v] = __fdiv_rn(__uint_as_float(bits << 16), temp);
       kv[v] = (uint16_t)(bits ^ ((bits >> 15) ? 0xFFFFu : 0x8000u));
     }
     uint32_t thr = 0;
     int krem = (int)min(k, (int64_t)V);
-    if (topk_on) {  // the k-th largest key: the largest t with #(key >= t) >= k, a bit at a time
+    if (topk_on) {
+      // The k-th largest key: the largest t with #(key >= t) >= k, two bits a round. A round counts
+      // the keys >= thr + j 2^b for j = 1, 2, 3 (two counts in one word: V < 2^16) and keeps the
+      // largest j whose count is still >= k. `above` counts the keys at or past the interval's
+      // end, thr + 4 2^b (none at first): after the last round, the keys > thr.
+      int* sums = reinterpret_cast<int*>(xs);  // [2][warps][2]: a round's sums, two buffers so that
+      int above = 0;                           // one barrier a round keeps a buffer's readers ahead
 #pragma unroll 1
-      for (int b = 15; b >= 0; --b) {
-        const uint32_t cand = thr | (1u << b);
-        int n = 0;
+      for (int b = 14, i = 0; b >= 0; b -= 2, ++i) {
+        const uint32_t c1 = thr | (1u << b), c2 = thr | (2u << b), c3 = thr | (3u << b);
+        int w0 = 0, w1 = 0;
 #pragma unroll 1
-        for (int v = v0; v < v1; ++v) n += kv[v] >= cand;
-        if (block_count(n) >= krem) thr = cand;
-      }
-      int n = 0;
-#pragma unroll 1
-      for (int v = v0; v < v1; ++v) n += kv[v] > thr;
-      krem -= block_count(n);
-    }
-    // keys equal to the threshold before this thread's run (an exclusive scan over the threads)
-    int eq = 0;
-#pragma unroll 1
-    for (int v = v0; v < v1 && topk_on; ++v) eq += kv[v] == thr;
-    int inc = eq;
+        for (int v = v0; v < v1; ++v) {
+          const uint32_t kk = kv[v];
+          w0 += (kk >= c1) | ((kk >= c2) << 16);
+          w1 += kk >= c3;
+        }
+        w0 = __reduce_add_sync(0xffffffffu, w0);
+        w1 = __reduce_add_sync(0xffffffffu, w1);
+        int* buf = sums + (i & 1) * 2 * kConsumerWarps;
+        if (lane == 0) {
+          buf[2 * warp] = w0;
+          buf[2 * warp + 1] = w1;
+        }
+        consumers_sync();
+        w0 = w1 = 0;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, inc, o);
-      if (lane >= o) inc += y;
+        for (int q = 0; q < kConsumerWarps; ++q) {
+          w0 += buf[2 * q];
+          w1 += buf[2 * q + 1];
+        }
+        const int n1 = w0 & 0xffff, n2 = w0 >> 16, n3 = w1;
+        const uint32_t j = n3 >= krem ? 3u : n2 >= krem ? 2u : n1 >= krem ? 1u : 0u;
+        above = j == 3 ? above : j == 2 ? n3 : j == 1 ? n2 : n1;
+        thr |= j << b;
+      }
+      krem -= above;
     }
     int* r = sample_red();
     float* rb = reinterpret_cast<float*>(r + kConsumerWarps);
-    consumers_sync();
-    if (lane == 31) r[warp] = inc;
-    consumers_sync();
-    int rank = inc - eq;
-    for (int i = 0; i < warp; ++i) rank += r[i];
+    int rank = 0;
+    if (topk_on) {  // keys equal to the threshold before this thread's run (an exclusive scan over the
+                    // threads; the row table was last read before the row's barrier)
+      int eq = 0;
+#pragma unroll 1
+      for (int v = v0; v < v1; ++v) eq += kv[v] == thr;
+      int inc = eq;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+      }
+      if (lane == 31) r[warp] = inc;
+      consumers_sync();
+      rank = inc - eq;
+      for (int i = 0; i < warp; ++i) rank += r[i];
+    }
     const uint32_t key = greedy ? 0u : row_key(*p.s_seed, *p.s_step + p.s_add);
     float best = -INFINITY;
     int bi = V;
 #pragma unroll 1
-    for (int v = v0; v < v1; ++v) {
-      const uint32_t kk = kv[v];
-      bool keep = !topk_on || kk > thr;
-      if (topk_on && kk == thr) keep = rank++ < krem;
-      const float val = greedy ? xv[v] : keep ? xv[v] + gumbel(key, v) : -INFINITY;
-      if (val > best || bi == V) {  // (the first index of the largest; -inf rows: the first index)
-        best = val;
+    for (int v = v0; v < v1; v += 2) {  // two rows a turn: their draws' chains side by side
+      const bool two = v + 1 < v1;
+      const uint32_t ka = kv[v], kb = two ? kv[v + 1] : 0u;
+      bool keepa = !topk_on || ka > thr;  // (the ties' ranks in index order)
+      if (topk_on && ka == thr) keepa = rank++ < krem;
+      bool keepb = two && (!topk_on || kb > thr);
+      if (two && topk_on && kb == thr) keepb = rank++ < krem;
+      float va = xv[v], vb = two ? xv[v + 1] : -INFINITY;
+      if (!greedy) {
+        const float ga = gumbel(key, v), gb = gumbel(key, v + 1);
+        va = keepa ? va + ga : -INFINITY;
+        vb = keepb ? vb + gb : -INFINITY;
+      }
+      if (va > best || bi == V) {  // (the first index of the largest; -inf rows: the first index)
+        best = va;
         bi = v;
+      }
+      if (vb > best) {
+        best = vb;
+        bi = v + 1;
       }
     }
 #pragma unroll
