@@ -99,6 +99,46 @@ def test_batched_decode_equals_solo(tmp_path: Path) -> None:
     assert len({tuple(s) for s in solo}) == 3
 
 
+@pytest.mark.gpu
+def test_cuda_stack_step_is_the_engine_step(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """With REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda on an sm_90 GPU, the batch-1
+    ``decode_step`` is ONE kernel: the embedding row gathered, the layers, the LM head. Teacher-forced
+    over 24 steps, its logits stay within bf16 rounding of the engine's unfused step
+    (REALTIME_STACK_FUSED=0: the same stack, then the head as its own GEMM), and its greedy token is
+    the same wherever the top two logits are clearly apart."""
+    import realtime.engines.transformer as tr
+    from realtime.kernels import decode_stack_cuda as dsc
+
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=3000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                   initializer_range=0.05, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    monkeypatch.setattr(tr, "_STACK", "text")
+    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
+    monkeypatch.setattr(tr, "_stack_owner", [])
+    m = TextModel.from_pretrained(tmp_path, device="cuda", dtype=torch.bfloat16)
+    assert m.transformer.stack_cuda
+    ids = torch.randint(3, 3000, (40,)).tolist()
+    res = {}
+    for fused in (True, False):
+        monkeypatch.setattr(tr, "_STACK_FUSED", fused)
+        cache = m.new_cache(2, 64)
+        slots = torch.tensor([1], device="cuda")
+        m.prefill(cache, 1, ids[:16])
+        res[fused] = torch.cat([m.decode_step(cache, slots, torch.tensor([ids[t]], device="cuda"),
+                                              torch.tensor([t], device="cuda")) for t in range(16, 40)])
+    one, plain = res[True], res[False]
+    assert one.shape == plain.shape == (24, 3000)
+    assert float((one - plain).norm() / plain.norm()) < 1e-2
+    top2 = plain.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.02 * top2[:, 0].abs()
+    assert clear.sum() >= 8
+    assert torch.equal(one.argmax(-1)[clear], plain.argmax(-1)[clear])
+
+
 def test_bad_folders(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         TextModel.from_pretrained(tmp_path)  # no config.json

@@ -338,6 +338,12 @@ def test_token_sampled_in_the_kernel_is_the_samplers(temp: float, top_k: int) ->
         torch.cuda.synchronize()
         assert tok is token and dsc.errors(w) == 0
         assert int(token) == int(want), (seed, step, add, int(token), int(want))
+        if i == 0:  # the logits it hands back when it samples are the same step's without sampling
+            cache.k.copy_(k0)
+            cache.v.copy_(v0)
+            _, plain = dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin,
+                                             x_index=torch.tensor([i], device=dev), head=head)
+            assert torch.equal(logits, plain)
 
 
 @pytest.mark.gpu
