@@ -147,6 +147,9 @@ class _Scratch:
         self.resd = torch.zeros(dim // 2, **words)
         self.act = torch.zeros(inter // 2, **words)
         self.ctl = torch.zeros(3, device=dev, dtype=torch.int32)
+        # a sampled head's logits, polled by the sampling SM: 0xFFFF (a NaN no rounding gives) where
+        # not yet written; the kernel sets them back
+        self.logits = torch.full(((MAX_SAMPLE_V + 7) // 8 * 8,), -1, device=dev, dtype=torch.int16)
 
 
 def _smem_plan(dll, dim: int, g: int, hd: int, stages: int | None,  # noqa: ANN001
@@ -316,10 +319,12 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
               f"stats: int64 [{p}, {STATS}] on the GPU")
     check(mode in (0, 1, 2, 3), f"mode is 0, 1, 2 or 3, got {mode}")
     sp = [0] * 6 if sample is None else [*(t.data_ptr() for t in sample[:4]), int(sample[4]), token.data_ptr()]
-    a = (ctypes.c_int64 * 38)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    a = (ctypes.c_int64 * 39)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                               k_cache.stride(3), cos.stride(0), 0 if stats is None else stats.data_ptr(),
                               0 if x_index is None else x_index.data_ptr(), int(x_offset), m,
-                              0 if head is None else head.data_ptr(), 0 if logits is None else logits.data_ptr(), *sp)
+                              0 if head is None else head.data_ptr(),
+                              0 if logits is None else (sc.logits if sample is not None else logits).data_ptr(), *sp,
+                              0 if sample is None else logits.data_ptr())
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
     fl = INFLIGHT if inflight is None else inflight
     check(0 <= fl, f"inflight must be >= 0, got {fl}")

@@ -48,7 +48,7 @@ constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kThreads = kConsumers + 32;  // + the producer warp
 constexpr int kStageBytes = 16384;
 constexpr int kStageElems = kStageBytes / 2;
-constexpr int kSampleVecs = 3;  // the sampler's 16-byte loads a thread: V <= MAX_SAMPLE_V (5459) is 682 of them
+constexpr int kSamplePolls = 3;  // the sampler's 16-byte loads a thread: V <= MAX_SAMPLE_V (5459) is 683 of them
 constexpr int kSeg = kStageElems / kConsumerWarps;  // elements a warp multiplies a stage (1024)
 constexpr int kKeys = 32;                            // keys an attention block
 constexpr int kMaxParts = 1024;                      // float partial sums a phase (checked by the launcher)
@@ -104,13 +104,17 @@ struct Params {
   const __nv_bfloat16* whead;  // [V, DIM]
   __nv_bfloat16* logits;       // [V]
   int V, nhead;  // nhead: chunks of head rows (see run_layers), the most any SM has (the launcher's)
-  // The head's token sampled in the kernel (null tok: none), by the last SM done with the step, as
+  // The head's token sampled in the kernel (null tok: none), by the last SM (P - 1), as
   // kernels/sampling.py's small-vocabulary kernel does for bf16 logits: temperature (<= 0:
-  // greedy), top-k, Gumbel-max with the counter-based noise of (seed, step[0] + step_add)
+  // greedy), top-k, Gumbel-max with the counter-based noise of (seed, step[0] + step_add). logits
+  // is then the launcher's own row, all 0xFFFF (a bf16 NaN no conversion gives) but where this
+  // step's head wrote: the sampling SM polls it, starting as the last rows land (no count of the
+  // SMs done before it), copies it to lgout and sets it back to 0xFFFF for the next step.
   const float* s_temp;
   const int64_t *s_topk, *s_seed, *s_step;
   int64_t s_add;
   int64_t* tok;
+  __nv_bfloat16* lgout;  // [V] with a token: the logits for the caller (see below), else null
 };
 
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
@@ -174,6 +178,11 @@ __device__ __forceinline__ uint2 ld_ll(const uint2* p) {
   uint2 v;
   asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
   return v;
+}
+
+__device__ __forceinline__ void st_bf_volatile(__nv_bfloat16* p, float v) {  // (rounded to nearest even)
+  const unsigned short h = __bfloat16_as_ushort(__float2bfloat16(v));
+  asm volatile("st.volatile.global.u16 [%0], %1;" ::"l"(p), "h"(h) : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_ll2(const uint2* p) {
@@ -825,6 +834,7 @@ struct Consumer {
         for (int gh = warp; gh < G; gh += kConsumerWarps) {  // warp gh: head gh, lane j: key j
           const __nv_bfloat16* kr = kb + lane * kstride;
           float s = 0.f;
+#pragma unroll 4  // (HD is 16..128 in 16s: a turn's loads issued together, the sum's order unchanged)
           for (int c = 0; c < HD; c += 8) {
             uint4 u = *reinterpret_cast<const uint4*>(kr + c);
             const float4 q0 = *reinterpret_cast<const float4*>(qs + gh * HD + c);  // (a broadcast)
@@ -853,7 +863,7 @@ struct Consumer {
           int gh, d;
           if (!own_pair(t, G, HD, gh, d)) break;
           float a = o[t] * al[gh];
-#pragma unroll 1
+#pragma unroll 4  // (four turns' loads issued together; one at a time, 8 round trips to shared memory)
           for (int j = 0; j < kKeys; j += 4) {
             const float4 pj = *reinterpret_cast<const float4*>(pb + gh * kKeys + j);
             a = fmaf(pj.x, __bfloat162float(vb[j * HD + d]), a);
@@ -1041,9 +1051,10 @@ struct Consumer {
       slice_stages(sq, 0, xr);
       uint32_t te = now<kTimed>();
       consumers_sync();
-      if (head) {  // the chunk's logits (then its partial sums are free for the next chunk's)
+      if (head) {  // the chunk's logits (then its partial sums are free for the next chunk's), stores
+                   // the sampling SM may poll (see sample_token)
 #pragma unroll 1
-        for (int r = tid; r < sq.n; r += kConsumers) p.logits[sq.row0 + r] = __float2bfloat16(row_sum(sq, 0, r));
+        for (int r = tid; r < sq.n; r += kConsumers) st_bf_volatile(p.logits + sq.row0 + r, row_sum(sq, 0, r));
         consumers_sync();
         tally(13, now<kTimed>() - te);
         continue;
@@ -1116,26 +1127,13 @@ struct Consumer {
 #pragma unroll 1
       for (int k = tid; k < p.DIM; k += kConsumers) p.out[k] = __float2bfloat16(xs[k]);
     }
-    // The last SM done advances the epoch: every SM has read it by then, and the next step (the
-    // next kernel, after this one completes) sees it. With a token to sample it samples it first:
-    // every SM's logits are written before it counts itself done.
-    if (p.tok) __threadfence();
-    consumers_sync();
-    if (!p.tok) {
-      if (tid == 0 && atom_acq_rel_add(p.ctl + 1, 1) == P - 1) {
-        p.ctl[1] = 0;
-        p.ctl[0] = (int)(epoch + 1u);
-      }
-      return;
-    }
-    int* last = sample_red();
-    if (tid == 0) *last = atom_acq_rel_add(p.ctl + 1, 1) == P - 1;
-    consumers_sync();
-    if (!*last) return;
 #ifndef REALTIME_STACK_NO_SAMPLER  // (a build without it: the test of the layer loop's code size)
-    sample_token();
+    if (p.tok && pid == P - 1) sample_token();
 #endif
-    if (tid == 0) {
+    // The last SM done advances the epoch: every SM has read it by then, and the next step (the
+    // next kernel, after this one completes) sees it.
+    consumers_sync();
+    if (tid == 0 && atom_acq_rel_add(p.ctl + 1, 1) == P - 1) {
       p.ctl[1] = 0;
       p.ctl[0] = (int)(epoch + 1u);
     }
@@ -1154,28 +1152,59 @@ struct Consumer {
   // index). The row goes into the ring's memory, free once the step's stages are consumed: its
   // order keys at the ring's start, its scaled logits after them; each thread holds a contiguous
   // run of it, so index order is thread order. This runs on the chain of every step that samples
-  // (a CSM depth pass), so it takes few round trips: the row arrives in one (16-byte loads, all
-  // issued before any is used; one at a time, 9 a thread at V = 2051, they were 9 round trips to
-  // L2), the bisection takes two bits a round with one barrier each (8 rounds, not 16 at two).
+  // (a CSM depth pass), so it takes few round trips. The rows are polled as the SMs write them (one
+  // round trip from the last one landing; until 29eeab6 every SM fenced its stores and counted
+  // itself done, and the last one read the row, with 9 dependent loads a thread before that).
+  // The bisection takes two bits a round at one barrier (8 rounds; there were 16 at two).
   __device__ void sample_token() {
     const int V = p.V;
     // (the ring's start worked out from xs, which follows it: ring.buf kept live to here spilled)
     uint16_t* kv = reinterpret_cast<uint16_t*>(reinterpret_cast<unsigned char*>(xs) - (size_t)p.nstages * kStageBytes);
     float* xv = reinterpret_cast<float*>(kv + ((V + 7) & ~7));  // (16-byte aligned; the launcher's bound)
-    {  // the raw bf16 row into kv: 8 rows a 16-byte load (the logits are the launcher's own allocation,
-       // 16-byte aligned), the rows past the last whole 8 one by one
-      const unsigned short* lg = reinterpret_cast<const unsigned short*>(p.logits);
-      const int nvec = V >> 3;
-      uint4 r[kSampleVecs];
+    {  // the raw bf16 row into kv and lgout, polled as the head's SMs write it (rows still 0xFFFF
+       // have not landed), 8 rows a 16-byte load, every load in flight at once; then set back
+      const int nq = (V + 7) / 8;
+      uint4 r[kSamplePolls];
+      uint32_t ok = 0;
 #pragma unroll
-      for (int j = 0; j < kSampleVecs; ++j)
-        if (tid + j * kConsumers < nvec) r[j] = __ldcg(reinterpret_cast<const uint4*>(lg) + tid + j * kConsumers);
-      const int v = nvec * 8 + tid;
-      const unsigned short t = v < V ? __ldcg(lg + v) : (unsigned short)0;
+      for (int j = 0; j < kSamplePolls; ++j) {
+        r[j] = make_uint4(0, 0, 0, 0);
+        if (tid + j * kConsumers >= nq) ok |= 1u << j;
+      }
+      const uint2* src = reinterpret_cast<const uint2*>(p.logits);  // (the launcher's row: 16-byte aligned)
+      for (uint32_t n = 0;; ++n) {
 #pragma unroll
-      for (int j = 0; j < kSampleVecs; ++j)
-        if (tid + j * kConsumers < nvec) reinterpret_cast<uint4*>(kv)[tid + j * kConsumers] = r[j];
-      if (v < V) kv[v] = t;
+        for (int j = 0; j < kSamplePolls; ++j)
+          if (!(ok >> j & 1)) r[j] = ld_ll2(src + 2 * (tid + j * kConsumers));
+#pragma unroll
+        for (int j = 0; j < kSamplePolls; ++j) {
+          const int rows = V - 8 * (tid + j * kConsumers);  // (rows past V: no matter)
+          uint32_t miss = 0;  // bit i: row 8 q + i still 0xFFFF
+          const uint32_t w4[4] = {r[j].x, r[j].y, r[j].z, r[j].w};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            const uint32_t e = __vcmpeq2(w4[t], 0xFFFFFFFFu);  // 0xFFFF in each half that is
+            miss |= ((e & 1u) | (e >> 15 & 2u)) << (2 * t);
+          }
+          if (rows < 8) miss &= (1u << max(rows, 0)) - 1u;
+          if (!miss) ok |= 1u << j;
+        }
+        if (ok == (1u << kSamplePolls) - 1 || !polling()) break;
+        if (!retry(n)) break;
+      }
+#pragma unroll
+      for (int j = 0; j < kSamplePolls; ++j) {
+        const int q = tid + j * kConsumers, v = 8 * q;
+        if (q >= nq) break;
+        reinterpret_cast<uint4*>(kv)[q] = r[j];  // (kv has room to a multiple of 8)
+        reinterpret_cast<uint4*>(p.logits)[q] = make_uint4(~0u, ~0u, ~0u, ~0u);  // (the next step polls it)
+        if (v + 8 <= V) {
+          reinterpret_cast<uint4*>(p.lgout)[q] = r[j];  // (lgout: 16-byte aligned, the launcher's)
+        } else {
+#pragma unroll 1
+          for (int t = 0; v + t < V; ++t) p.lgout[v + t] = reinterpret_cast<const __nv_bfloat16*>(kv)[v + t];
+        }
+      }
     }
     consumers_sync();
     const float t_in = *p.s_temp;
@@ -1355,7 +1384,7 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
-// whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0), f: eps and qk_scale,
+// whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0, lgout or 0), f: eps and qk_scale,
 // n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff, V,
 // nhead). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
@@ -1415,6 +1444,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.s_step = reinterpret_cast<const int64_t*>(a[35]);
   p.s_add = a[36];
   p.tok = reinterpret_cast<int64_t*>(a[37]);
+  p.lgout = reinterpret_cast<__nv_bfloat16*>(a[38]);
   static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
   const bool timed = p.stats != nullptr;
   cudaError_t e;

@@ -84,10 +84,10 @@ def test_kernel_code_fits_the_instruction_cache(tmp_path) -> None:
         return next(v for k, v in sizes.items() if "ILb0E" in k)
 
     # the layer loop's code, without the token sampler (which runs once a step, on one SM, after
-    # the last layer: ~11 KB that no layer fetches), and the whole step with it
+    # the last layer: ~14 KB that no layer fetches), and the whole step with it
     layers, whole = step_code("-DREALTIME_STACK_NO_SAMPLER"), step_code()
     assert layers <= 120 * 1024, f"the step's code without its sampler is {layers / 1024:.0f} KB"
-    assert whole - layers <= 12 * 1024, f"the sampler's code is {(whole - layers) / 1024:.0f} KB"
+    assert whole - layers <= 16 * 1024, f"the sampler's code is {(whole - layers) / 1024:.0f} KB"
 
 
 @pytest.mark.parametrize("n", [2, 64, 2048, 3072, 8192])
@@ -338,12 +338,43 @@ def test_token_sampled_in_the_kernel_is_the_samplers(temp: float, top_k: int) ->
         torch.cuda.synchronize()
         assert tok is token and dsc.errors(w) == 0
         assert int(token) == int(want), (seed, step, add, int(token), int(want))
-        if i == 0:  # the logits it hands back when it samples are the same step's without sampling
+        if i == 0:  # the logits the sampling SM polled and handed back are the head's own
             cache.k.copy_(k0)
             cache.v.copy_(v0)
             _, plain = dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin,
                                              x_index=torch.tensor([i], device=dev), head=head)
             assert torch.equal(logits, plain)
+
+
+@pytest.mark.gpu
+def test_sampled_heads_of_other_sizes_on_one_stack() -> None:
+    """The sampling SM polls the head's rows in a buffer of the stack's that it sets back to
+    "not written" after each step: heads of different sizes sampled one after another on the same
+    stack (larger, smaller, odd, larger again) each give the head's logits and the sampler's token,
+    with no poll timing out on rows past a smaller head's end."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    from realtime.kernels.sampling import sample
+
+    w, cache, slots, pos, cos, sin, table, head, (k0, v0) = _gather_case(DEPTH, 9, 64, 3001, 0.1)
+    dev = "cuda"
+    rows = (torch.tensor([0.8], device=dev), torch.tensor([20], device=dev), torch.tensor([5], device=dev),
+            torch.tensor([2], device=dev))
+    for v in (3001, 2051, 1, 2045, dsc.MAX_SAMPLE_V, 3001):
+        hd = head[:v] if v <= head.shape[0] else torch.cat([head] * 2)[:v].contiguous()
+        for sampled in (True, False):
+            cache.k.copy_(k0)
+            cache.v.copy_(v0)
+            res = dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin,
+                                        x_index=torch.tensor([3], device=dev), head=hd,
+                                        sample=(*rows, 0) if sampled else None)
+            if sampled:
+                _, logits, tok = res
+            else:
+                assert torch.equal(res[1], logits), v
+        torch.cuda.synchronize()
+        assert dsc.errors(w) == 0, v
+        assert int(tok) == int(sample(logits, *rows)), v
 
 
 @pytest.mark.gpu
