@@ -50,12 +50,13 @@ MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 # A head sampled in the kernel: its order keys (rounded up to 8) and scaled logits (6 bytes a row)
 # go into the ring's first two stages (there are always at least two) on the last SM
 MAX_SAMPLE_V = (2 * (2 * _STAGE_ELEMS) - 14) // 6
-STATS = 18  # kStats: per-SM cycle counts a probe can ask for
+STATS = 20  # kStats: per-SM cycle counts a probe can ask for
 STAT_NAMES = ("producer waits for a free stage", "producer total", "consumers wait for a stage's bytes",
               "polls for the residual (q|k|v)", "polls for q|k|v (the attention)", "polls for the heads (o)",
               "polls for the residual (gate|up)", "polls for the activation (down)", "attention", "consumers total",
               "row loads and norms", "stages", "stage arithmetic", "phase ends", "attention to its split's partial",
-              "split 0 polls for the partials", "waits for the keys copied ahead", "attention's block loop")
+              "split 0 polls for the partials", "waits for the keys copied ahead", "attention's block loop",
+              "q|k|v (thread 0's) to RoPE's barrier", "the partial's stores")
 
 
 def _nvcc() -> str | None:

@@ -123,8 +123,9 @@ struct Params {
 // row loads and norms, stages consumed, in the stages' arithmetic (bytes landed to stage freed),
 // in the phase ends (the warps' last stages, row sums, stores), in the attention up to its
 // split's partial, polled for the other splits' partials (split 0), waited for the keys copied
-// ahead, in the attention's block loop (scores, softmax, p.v)
-constexpr int kStats = 18;
+// ahead, in the attention's block loop (scores, softmax, p.v), from thread 0's q|k|v to the
+// barrier after RoPE (the other threads' rows, RoPE), from the block loop to the partial's stores
+constexpr int kStats = 20;
 
 // ---- PTX helpers: mbarriers, bulk copies, LL words
 
@@ -654,10 +655,11 @@ struct Consumer {
     __nv_bfloat16 *kb, *vb, *csb;
   };
 
-  // The thread's t-th (head, dim) pair of the item's G x HD output (the pairs tid, tid + 256, ...;
-  // o[t] accumulates it): false past the last pair.
-  __device__ bool own_pair(int t, int G, int HD, int& gh, int& d) const {
-    const int e = tid + t * kConsumers;
+  // The thread's t-th pair of adjacent outputs (head gh, dims d and d + 1) of the item's G x HD
+  // output (the pairs tid, tid + 256; o[t] accumulates it): false past the last pair. A pair's
+  // values are one 4-byte load a key and one LL word of the heads.
+  __device__ bool own_dims(int t, int G, int HD, int& gh, int& d) const {
+    const int e = 2 * (tid + t * kConsumers);
     gh = e / HD;
     d = e % HD;
     return e < G * HD;
@@ -728,6 +730,8 @@ struct Consumer {
     const int64_t cbase = a.cbase;
     bool on = lo < hi;
     if (on) {
+      consumers_sync();  // every thread's copies landed (the angle rows among them); before the
+                         // poll, so that the rows' arrival is not followed by a barrier for them
       // q|k|v polled as LL words (the SMs that hold the head's rows write them): every load issued
       // before the first use, one round trip to L2 from the moment the rows land
       uint2 wa[kRopeIt], wb[kRopeIt], wv = make_uint2(0, want);
@@ -756,7 +760,8 @@ struct Consumer {
         if (ok == (2u << kRopeIt) - 1 || !polling()) break;
         if (!retry(n)) break;
       }
-      tally(4, now<kTimed>() - tq);
+      const uint32_t tr = now<kTimed>();
+      tally(4, tr - tq);
       float qa[kRopeIt], qb[kRopeIt];
 #pragma unroll
       for (int it = 0; it < kRopeIt; ++it) {
@@ -764,7 +769,6 @@ struct Consumer {
         qb[it] = bf_at(wb[it].x, (oa[it] + HALF) & 1);
       }
       const float vd = bf_at(wv.x, ov & 1);
-      consumers_sync();  // every thread's copies landed (the angle rows among them)
       // The own key and value go straight into the copied block's row when it holds them (no
       // separate pass over the block, no barrier for it).
       const bool own_first = pos >= lo && pos < min(hi, lo + kKeys);
@@ -797,6 +801,7 @@ struct Consumer {
         if (own_first) vb[orow * HD + tid] = __float2bfloat16(vd);
       }
       consumers_sync();
+      tally(18, now<kTimed>() - tr);
       if (pos >= lo && pos < hi) {  // this split holds the step's own key: into the cache
 #pragma unroll 1
         for (int d = tid; d < HD; d += kConsumers) {
@@ -805,7 +810,8 @@ struct Consumer {
         }
       }
       float m_i = -INFINITY, l_i = 0.f;  // warp g's head (lanes agree)
-      float o[4] = {0.f, 0.f, 0.f, 0.f};  // thread's (head, dim) pairs tid, tid + 256, ...
+      float2 o[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};  // the thread's pairs (own_dims)
+      float* ls = al + 8;  // the heads' softmax sums so far (al's region holds 32 floats)
       const uint32_t tb = now<kTimed>();
       for (int start = lo; start < hi; start += kKeys) {
         // the block's keys and values: the first block was copied ahead (its own row, if any, put
@@ -833,8 +839,10 @@ struct Consumer {
         if (!copied) consumers_sync();
         for (int gh = warp; gh < G; gh += kConsumerWarps) {  // warp gh: head gh, lane j: key j
           const __nv_bfloat16* kr = kb + lane * kstride;
-          float s = 0.f;
-#pragma unroll 4  // (HD is 16..128 in 16s: a turn's loads issued together, the sum's order unchanged)
+          // eight sums a lane, one for each column of an 8-column piece: a chain of HD / 8 FMAs,
+          // not HD (the dot product's order is then (columns mod 8), then a tree of the eight)
+          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4  // (HD is 16..128 in 16s: a turn's loads issued together)
           for (int c = 0; c < HD; c += 8) {
             uint4 u = *reinterpret_cast<const uint4*>(kr + c);
             const float4 q0 = *reinterpret_cast<const float4*>(qs + gh * HD + c);  // (a broadcast)
@@ -844,10 +852,11 @@ struct Consumer {
 #pragma unroll
             for (int t = 0; t < 4; ++t) {
               float2 f = __bfloat1622float2(h[t]);
-              s = fmaf(qv[2 * t], f.x, s);
-              s = fmaf(qv[2 * t + 1], f.y, s);
+              acc[2 * t] = fmaf(qv[2 * t], f.x, acc[2 * t]);
+              acc[2 * t + 1] = fmaf(qv[2 * t + 1], f.y, acc[2 * t + 1]);
             }
           }
+          float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
           s = start + lane < hi ? s * p.qk_scale : -INFINITY;
           float m_new = fmaxf(m_i, warp_max(s));
           float alpha = exp2f(m_i - m_new);
@@ -855,52 +864,66 @@ struct Consumer {
           l_i = l_i * alpha + warp_sum(pr);
           m_i = m_new;
           pb[gh * kKeys + lane] = bf(pr);
-          if (lane == 0) al[gh] = alpha;
+          if (lane == 0) {
+            al[gh] = alpha;
+            ls[gh] = l_i;  // (read after the loop: the barrier below orders it)
+          }
         }
         consumers_sync();
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
+        for (int t = 0; t < 2; ++t) {
           int gh, d;
-          if (!own_pair(t, G, HD, gh, d)) break;
-          float a = o[t] * al[gh];
+          if (!own_dims(t, G, HD, gh, d)) break;
+          const float alpha = al[gh];
+          // the even keys' and the odd keys' sums apart (chains of kKeys / 2), the pair's two dims
+          // side by side: four chains a thread
+          float a0 = o[t].x * alpha, a1 = o[t].y * alpha, b0 = 0.f, b1 = 0.f;
 #pragma unroll 4  // (four turns' loads issued together; one at a time, 8 round trips to shared memory)
           for (int j = 0; j < kKeys; j += 4) {
             const float4 pj = *reinterpret_cast<const float4*>(pb + gh * kKeys + j);
-            a = fmaf(pj.x, __bfloat162float(vb[j * HD + d]), a);
-            a = fmaf(pj.y, __bfloat162float(vb[(j + 1) * HD + d]), a);
-            a = fmaf(pj.z, __bfloat162float(vb[(j + 2) * HD + d]), a);
-            a = fmaf(pj.w, __bfloat162float(vb[(j + 3) * HD + d]), a);
+            const float pv[4] = {pj.x, pj.y, pj.z, pj.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vb + (j + i) * HD + d));
+              if (i % 2 == 0) {
+                a0 = fmaf(pv[i], v.x, a0);
+                a1 = fmaf(pv[i], v.y, a1);
+              } else {
+                b0 = fmaf(pv[i], v.x, b0);
+                b1 = fmaf(pv[i], v.y, b1);
+              }
+            }
           }
-          o[t] = a;
+          o[t] = make_float2(a0 + b0, a1 + b1);
         }
         consumers_sync();
       }
-      tally(17, now<kTimed>() - tb);
-      // the split's partial (LL floats, its max and sum after it), or with one split the output
+      const uint32_t te = now<kTimed>();
+      tally(17, te - tb);
+      // the split's partial (LL floats, its max and sum after it), or with one split the heads'
+      // output straight from the thread's sums (ls: the block loop's last barrier made it visible)
       const int prow = (kvh * G) * NS + sp;  // + gh * NS: the head's row of partials
-      if (warp < G && lane == 0) {
+      if (NS > 1 && warp < G && lane == 0) {
         uint2* r = p.part + (int64_t)(prow + warp * NS) * (HD + 2) + HD;
-        if (NS > 1) {
-          st_ll(r, __float_as_uint(m_i), want);
-          st_ll(r + 1, __float_as_uint(l_i), want);
-        }
-        al[warp] = l_i;
+        st_ll(r, __float_as_uint(m_i), want);
+        st_ll(r + 1, __float_as_uint(l_i), want);
       }
-      if (NS == 1) consumers_sync();  // (al, the denominators; each split's partial is the thread's own)
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
+      for (int t = 0; t < 2; ++t) {
         int gh, d;
-        if (!own_pair(t, G, HD, gh, d)) break;
+        if (!own_dims(t, G, HD, gh, d)) break;
         if (NS == 1) {
-          float den = al[gh];
-          qs[gh * HD + d] = o[t] / (den > 0.f ? den : 1.f);  // (q is used: the output's staging)
+          const float den = ls[gh], dv = den > 0.f ? den : 1.f;
+          st_ll(p.attn + (kvh * G * HD + gh * HD + d) / 2, pack_bf2(o[t].x / dv, o[t].y / dv), want);
         } else {
-          st_ll(p.part + (int64_t)(prow + gh * NS) * (HD + 2) + d, __float_as_uint(o[t]), want);
+          uint2* r = p.part + (int64_t)(prow + gh * NS) * (HD + 2) + d;
+          st_ll(r, __float_as_uint(o[t].x), want);
+          st_ll(r + 1, __float_as_uint(o[t].y), want);
         }
       }
+      tally(19, now<kTimed>() - te);
     }
     if (NS == 1) {
-      if (on) put_heads(kvh);
       tally(14, now<kTimed>() - ta);
       return;
     }
