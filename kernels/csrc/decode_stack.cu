@@ -1169,15 +1169,16 @@ struct Consumer {
     return const_cast<int*>(reinterpret_cast<const int*>(rows));
   }
 
-  // The head's token (Params::tok) from the logits every SM wrote, on the last SM done: the
+  // The head's token (Params::tok) from the logits every SM writes, on the last SM (P - 1): the
   // Triton small-vocabulary sampler's steps for bf16 logits (16-bit order keys, the k-th largest
   // by bisection, ties at it kept lowest index first, Gumbel-max over the kept, argmax's first
   // index). The row goes into the ring's memory, free once the step's stages are consumed: its
   // order keys at the ring's start, its scaled logits after them; each thread holds a contiguous
   // run of it, so index order is thread order. This runs on the chain of every step that samples
   // (a CSM depth pass), so it takes few round trips. The rows are polled as the SMs write them (one
-  // round trip from the last one landing; until 29eeab6 every SM fenced its stores and counted
-  // itself done, and the last one read the row, with 9 dependent loads a thread before that).
+  // round trip from the last one landing; until 347c73a every SM fenced its stores and counted
+  // itself done, and the last one to count read the row, with 9 dependent loads a thread until
+  // 29eeab6).
   // The bisection takes two bits a round at one barrier (8 rounds; there were 16 at two).
   __device__ void sample_token() {
     const int V = p.V;
