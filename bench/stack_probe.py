@@ -228,8 +228,13 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     model.stack = saved
     variants = [dict()] if args.lean else [dict(), dict(backoff=300), dict(inflight=3), dict(balance=40),
                                            dict(splits=4), dict(splits=12)]
-    most = dsc.ring_stages(w, step_x.device)
-    log(f"CUDA stack: {most} ring stages of 16 KB fit an SM (the default)")
+    fits = dsc.every_fits(w.n_heads, w.n_kv_heads, w.head_dim, cache.k.shape[3])
+    every = dsc.EVERY and fits  # the default's choice (see decode_stack_cuda's `every`)
+    if fits:  # the attention as items handing the heads over, beside every SM attending (or the reverse)
+        variants.insert(1, dict(every=not every))
+    most = dsc.ring_stages(w, step_x.device, every)
+    log(f"CUDA stack: {most} ring stages of 16 KB fit an SM (the default)"
+        + (", every SM attends to all the heads" if every else ""))
     if args.stage_scan:  # the ring's size: as many stages as fit, then fewer
         variants += [dict(stages=n) for n in (most - 1, most - 2, most - 4) if n >= 2]
     for kw in variants:
@@ -238,7 +243,10 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         def fn(kw=kw):  # noqa: ANN202
             return dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, **kw)
         fl = kw.get("inflight", dsc.INFLIGHT)
-        name = (f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}"
+        ev = kw.get("every", every and ns in (None, 1))
+        name = ("CUDA stack, every SM attends" if ev else
+                f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}")
+        name = (name
                 + (f", {stages} stages" if stages else "") + f", {fl or 'all'} in flight"
                 + (f", balance {kw['balance']}" if "balance" in kw else "")
                 + (f", polls back off {kw['backoff']} ns" if kw.get("backoff") else ""))

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ._triton import check
 
-__all__ = ["available", "takes", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
+__all__ = ["available", "takes", "every_fits", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
            "head_chunks", "STATS", "STAT_NAMES"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
@@ -47,6 +47,9 @@ _MAX_PARTS = 1024  # kMaxParts: float partial sums a phase
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
+# Every SM attends (to all kv heads, one split) where every_fits(), unless REALTIME_STACK_EVERY=0:
+# the heads' output then feeds the SM's own o rows, with no hand-over (see the .cu's attention())
+EVERY = os.environ.get("REALTIME_STACK_EVERY", "1").strip() != "0"
 # A head sampled in the kernel: its order keys (rounded up to 8) and scaled logits (6 bytes a row)
 # go into the ring's first two stages (there are always at least two) on the last SM
 MAX_SAMPLE_V = (2 * (2 * _STAGE_ELEMS) - 14) // 6
@@ -84,6 +87,14 @@ def takes(dim: int, inter: int, n_heads: int, n_kv_heads: int, head_dim: int) ->
             and head_dim <= 128 and g <= 8 and g * head_dim <= 1024)
 
 
+def every_fits(n_heads: int, n_kv_heads: int, head_dim: int, tmax: int) -> bool:
+    """Whether every SM can attend to all the heads itself (the CSM depth decoder's layout): one
+    warp a query head (at most 8), every rotated q|k pair and v value polled by the 256 consumer
+    threads (3 pairs and 1 value a thread at most), at most two 32-key blocks of cache."""
+    return (n_heads <= 8 and (n_heads + n_kv_heads) * head_dim // 2 <= 3 * 256 and n_kv_heads * head_dim <= 256
+            and tmax <= 2 * _KEYS)
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("REALTIME_CACHE") or str(Path.home() / ".cache" / "realtime")
     return Path(root) / "cuda"
@@ -119,7 +130,7 @@ def build(arch: str = "90") -> ctypes.CDLL:
                                           ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                           ctypes.c_int]
     dll.realtime_stack_launch.restype = ctypes.c_int
-    dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 3
+    dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 4
     dll.realtime_stack_blocks_per_sm.argtypes = [ctypes.c_int]
     dll.realtime_stack_error_string.restype = ctypes.c_char_p
     return dll
@@ -153,10 +164,11 @@ class _Scratch:
         self.logits = torch.full(((MAX_SAMPLE_V + 7) // 8 * 8,), -1, device=dev, dtype=torch.int16)
 
 
-def _smem_plan(dll, dim: int, g: int, hd: int, stages: int | None,  # noqa: ANN001
+def _smem_plan(dll, dim: int, nh: int, nkv: int, hd: int, stages: int | None,  # noqa: ANN001
                device: int) -> tuple[int, int]:
-    """(stages, dynamic shared memory bytes): as many 16 KB stages as fit beside the fixed part."""
-    fixed = dll.realtime_stack_fixed_smem(dim, g, hd)
+    """(stages, dynamic shared memory bytes): as many 16 KB stages as fit beside the fixed part
+    (nh query heads of nkv kv heads attended by one SM)."""
+    fixed = dll.realtime_stack_fixed_smem(dim, nh, nkv, hd)
     stage = dll.realtime_stack_stage_bytes()
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 232448)  # (227 KB: sm_90's opt-in maximum)
@@ -170,9 +182,11 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def ring_stages(w, device: torch.device) -> int:  # noqa: ANN001
-    """How many 16 KB ring stages fit beside the fixed shared memory for this stack on this GPU."""
-    return _smem_plan(build(), w.qkv.shape[2], w.n_heads // w.n_kv_heads, w.head_dim, None, _index(device))[0]
+def ring_stages(w, device: torch.device, every: bool = False) -> int:  # noqa: ANN001
+    """How many 16 KB ring stages fit beside the fixed shared memory for this stack on this GPU
+    (every: with every SM attending to all the heads)."""
+    nh, nkv = (w.n_heads, w.n_kv_heads) if every else (w.n_heads // w.n_kv_heads, 1)
+    return _smem_plan(build(), w.qkv.shape[2], nh, nkv, w.head_dim, None, _index(device))[0]
 
 
 def row_start(n: int, pid: int, programs: int, items: int, balance: int) -> int:
@@ -204,7 +218,7 @@ def _sms(device: int) -> int:
 
 @functools.cache
 def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns: int, stages: int | None,
-          balance: int, device: int) -> tuple[int, int]:
+          balance: int, device: int, every: bool) -> tuple[int, int]:
     """(ring stages, dynamic shared memory bytes) of a launch, after the checks that depend only
     on the widths and settings: done once for each combination, not on every step."""
     dll = build()
@@ -212,7 +226,7 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
     check(hkv * ns <= p, f"{hkv} kv heads x {ns} splits: more attention items than programs ({p})")
     check(-1 <= balance <= 500, f"balance is -1 or 0..500 per mille, got {balance}")
     check(p <= _sms(device), "at most one program an SM (every program must be resident)")
-    n_stages, smem = _smem_plan(dll, dim, h // hkv, hd, stages, device)
+    n_stages, smem = _smem_plan(dll, dim, h if every else h // hkv, hkv if every else 1, hd, stages, device)
     most = max_rows(p, hkv * ns, balance)
     parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
                 most(dim) * (h * hd // _SEG))
@@ -238,7 +252,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
                       mode: int = 0, inflight: int | None = None, balance: int = -1,
                       backoff: int | None = None, x_index: Tensor | None = None, x_offset: int = 0,
                       head: Tensor | None = None, sample: tuple | None = None,
-                      token: Tensor | None = None) -> Tensor | tuple:
+                      token: Tensor | None = None, every: bool | None = None) -> Tensor | tuple:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
@@ -246,7 +260,10 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     ``balance`` >= 0 splits every GEMV's rows by weight, that many per mille fewer for the SMs that
     also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed; both round to row
     pairs, see ``row_start``). ``backoff``: ns a
-    poll for another SM's rows sleeps before it polls again (default ``BACKOFF``).
+    poll for another SM's rows sleeps before it polls again (default ``BACKOFF``). ``every``: every
+    SM attends to all the heads and starts its o rows from them, one split (default: where
+    ``every_fits`` and ``splits`` is None or 1, unless REALTIME_STACK_EVERY=0); False: the
+    attention items (kv head, split) hand the heads over to every SM.
 
     ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
     step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
@@ -304,8 +321,13 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     dll = build()
     device = _index(x.device)
     p = programs or _sms(device)
-    ns = splits or default_splits(hkv, k_cache.shape[3], p)
-    n_stages, smem = _plan(dim, nqkv, h, hkv, hd, inter, p, ns, stages, balance, device)
+    fits = every_fits(h, hkv, hd, k_cache.shape[3])
+    if every is None:
+        every = EVERY and fits and splits in (None, 1)
+    check(not every or (fits and splits in (None, 1)),
+          "every SM attending takes at most 8 query heads, at most 64 cached keys and one split")
+    ns = 1 if every else splits or default_splits(hkv, k_cache.shape[3], p)
+    n_stages, smem = _plan(dim, nqkv, h, hkv, hd, inter, p, ns, stages, balance, device, bool(every))
     key = ("cuda", p, ns, str(x.device))
     sc = w.scratch.get(key)
     if sc is None:  # allocated once, before any CUDA-graph capture (the capture warm-up runs the step)
@@ -331,8 +353,8 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
     nap = BACKOFF if backoff is None else backoff
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
-    n = (ctypes.c_int * 15)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
-                            nap, v, head_chunks(v, dim, p, hkv * ns, balance))
+    n = (ctypes.c_int * 16)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
+                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

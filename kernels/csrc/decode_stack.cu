@@ -22,6 +22,8 @@
 //      values copied ahead at the layer's start; RoPE, the own key and value written into the
 //      cache, online softmax over the split's keys -> its partial (LL); split 0 merges them
 //                                                                                -> attn (LL)
+//      (Params::every: every SM with rows of o attends to all the heads, one split, and its o
+//      rows start from its own heads in shared memory: no hand-over of the heads)
 //   O  its rows of o + the residual                                              -> reso (LL)
 //   G  post-attention RMSNorm, its rows of gate and up, SwiGLU                   -> act (LL)
 //   D  its rows of down + the residual                                           -> resd (LL)
@@ -53,7 +55,7 @@ constexpr int kSeg = kStageElems / kConsumerWarps;  // elements a warp multiplie
 constexpr int kKeys = 32;                            // keys an attention block
 constexpr int kMaxParts = 1024;                      // float partial sums a phase (checked by the launcher)
 constexpr int kMaxSplits = 12;  // key splits a kv head (checked by the launcher; the merge's loads in registers)
-constexpr int kRopeIt = 3;  // rotated (head, pair) items a thread: (G + 1) * HD / 2 <= 9 * 64 over kConsumers
+constexpr int kRopeIt = 3;  // rotated (head, pair) items a thread: (nh + nkv) * HD / 2 <= 3 kConsumers (see Att)
 constexpr unsigned kSpinLimit = 1u << 20;  // polls (~1 s) before a wait gives up: a bug, flagged
 
 // The phases hand their rows to the SMs that need them as LL words (NCCL's low-latency protocol):
@@ -93,6 +95,8 @@ struct Params {
                      // no arithmetic, 3 no polls and no attention
   int inflight;      // copies in flight at most (the rest of the ring holds landed stages); >= nstages: no cap
   int balance;       // < 0: cdiv(N, P) rows an SM; else per mille fewer rows for the SMs that attend
+  int every;         // 1: every SM attends, to all kv heads (one split; see attention()), and starts its
+                     // o rows from its own heads: no hand-over of the heads (0: the items of the header)
   int backoff;       // ns a poll sleeps after finding a word not yet written (0: none)
   // The step's input gathered in the kernel (an embedding row; null: x is the row): x is then a
   // table [xrows, DIM] and the input its row xidx[0] + xoff (clamped into the table)
@@ -257,8 +261,10 @@ __device__ __forceinline__ float gumbel(uint32_t key, int v) {  // Gumbel(0, 1) 
 // Floats of the xs region: the final norm's row, and the attention's scratch (see Att; its output
 // is staged in it too). No room for an intermediate row: nothing has used one since the act rows
 // went out as LL words, and at 1B shapes its 24 KB are worth one and a half ring stages.
-__host__ __device__ inline int xs_floats(int dim, int g, int hd) {
-  int att = g * hd + 4 * hd + g * kKeys + 8 * ((g + 7) / 8) * 4 + (kKeys * (hd + 8) + kKeys * hd + 2 * hd) / 2;
+// nh: the query heads an SM attends with, nkv: their kv heads (Params::every: all; else one kv head's)
+__host__ __device__ inline int xs_floats(int dim, int nh, int nkv, int hd) {
+  int att = nh * hd + 2 * hd + 2 * nkv * hd + nh * kKeys + 8 * ((nh + 7) / 8) * 4 +
+            (nkv * (kKeys * (hd + 8) + kKeys * hd) + 2 * hd) / 2;
   return dim > att ? dim : att;
 }
 
@@ -532,6 +538,24 @@ struct Consumer {
     }
   }
 
+  // load_x's piece from float32 values in shared memory (the heads, with Params::every)
+  __device__ void load_x_smem(const float* src, int K, float (&xr)[32]) const {
+    const int col0 = (warp * kSeg) % K;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 a = *reinterpret_cast<const float4*>(src + col0 + j * 256 + lane * 8);
+      const float4 b = *reinterpret_cast<const float4*>(src + col0 + j * 256 + lane * 8 + 4);
+      xr[j * 8 + 0] = a.x;
+      xr[j * 8 + 1] = a.y;
+      xr[j * 8 + 2] = a.z;
+      xr[j * 8 + 3] = a.w;
+      xr[j * 8 + 4] = b.x;
+      xr[j * 8 + 5] = b.y;
+      xr[j * 8 + 6] = b.z;
+      xr[j * 8 + 7] = b.w;
+    }
+  }
+
   // xr = RMSNorm(xr) * wr on the warp's piece (rmsnorm's roundings; wr: the norm weight's piece,
   // loaded before the row); the row's sum of squares from the warps whose pieces tile it
   // (warps 0 .. K / kSeg - 1)
@@ -644,12 +668,14 @@ struct Consumer {
     return a;
   }
 
-  // An attention item (kv head, split) and its scratch in xs: q [G, HD], [2 HD] unused (the
-  // angle rows in float32 until 99ed833; kept so the layout is the one timed), own k and v [2 HD],
-  // p [G, kKeys], alpha [G], keys [kKeys, HD + 8] and values [kKeys, HD] (bf16), the cos/sin rows
-  // as bf16 [2 HD] (copied ahead)
+  // An attention item (kv head, split) and its scratch in xs: q [nh, HD], [2 HD] unused (the
+  // angle rows in float32 until 99ed833; kept so the layout is the one timed), own k and v
+  // [nkv, HD] each, p [nh, kKeys], alpha and the softmax sums [32], keys [nkv, kKeys, HD + 8] and
+  // values [nkv, kKeys, HD] (bf16), the cos/sin rows as bf16 [2 HD] (copied ahead). nh = G query
+  // heads of nkv = 1 kv head (kvh); with Params::every, all H of all HKV (kvh 0, one split).
+  // The item's head gh (< nh) is query head kvh * G + gh, of kv head kvh + gh / G.
   struct Att {
-    int kvh, sp, length, chunk, lo, hi;
+    int kvh, sp, length, chunk, lo, hi, nh, nkv;
     int64_t pos, slot, cbase;
     float *qs, *kn, *vn, *pb, *al;
     __nv_bfloat16 *kb, *vb, *csb;
@@ -667,9 +693,11 @@ struct Consumer {
 
   __device__ Att att_setup(int l, int item) const {
     Att a;
-    const int HD = p.HD, G = p.H / p.HKV, NS = p.NS;
-    a.kvh = item / NS;
-    a.sp = item % NS;
+    const int HD = p.HD, NS = p.NS;
+    a.nh = p.every ? p.H : p.H / p.HKV;
+    a.nkv = p.every ? p.HKV : 1;
+    a.kvh = p.every ? 0 : item / NS;
+    a.sp = p.every ? 0 : item % NS;
     a.pos = pos0;  // (read once at the step's start: a global load here is a round trip on the chain)
     a.slot = slot0;
     a.length = (int)(a.pos + 1 < p.TMAX ? a.pos + 1 : p.TMAX);
@@ -678,13 +706,13 @@ struct Consumer {
     a.hi = min(a.lo + a.chunk, a.length);
     a.cbase = l * p.sk_l + a.slot * p.sk_s + a.kvh * p.sk_h;
     a.qs = xs;
-    a.kn = a.qs + G * HD + 2 * HD;
-    a.vn = a.kn + HD;
-    a.pb = a.vn + HD;
-    a.al = a.pb + G * kKeys;
-    a.kb = reinterpret_cast<__nv_bfloat16*>(a.al + 8 * ((G + 7) / 8) * 4);  // 16-byte aligned
-    a.vb = a.kb + kKeys * (HD + 8);
-    a.csb = a.vb + kKeys * HD;
+    a.kn = a.qs + a.nh * HD + 2 * HD;
+    a.vn = a.kn + a.nkv * HD;
+    a.pb = a.vn + a.nkv * HD;
+    a.al = a.pb + a.nh * kKeys;
+    a.kb = reinterpret_cast<__nv_bfloat16*>(a.al + 8 * ((a.nh + 7) / 8) * 4);  // 16-byte aligned
+    a.vb = a.kb + a.nkv * kKeys * (HD + 8);
+    a.csb = a.vb + a.nkv * kKeys * HD;
     return a;
   }
 
@@ -696,15 +724,19 @@ struct Consumer {
     if (a.lo >= a.hi) return;
     const int HD = p.HD, kstride = HD + 8, cpr = HD / 8;
 #pragma unroll 1
-    for (int e = tid; e < kKeys * cpr; e += kConsumers) {
-      int j = e / cpr, c = (e % cpr) * 8;
-      int64_t n = a.lo + j;
-      if (n < a.hi && n < a.pos) {
-        cp_async16(a.kb + j * kstride + c, p.kc + a.cbase + n * p.sk_t + c);
-        cp_async16(a.vb + j * HD + c, p.vc + a.cbase + n * p.sk_t + c);
-      } else {
-        *reinterpret_cast<uint4*>(a.kb + j * kstride + c) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(a.vb + j * HD + c) = make_uint4(0, 0, 0, 0);
+    for (int h = 0; h < a.nkv; ++h) {
+#pragma unroll 1
+      for (int e = tid; e < kKeys * cpr; e += kConsumers) {
+        const int j = e / cpr, c = (e % cpr) * 8;
+        __nv_bfloat16 *kd = a.kb + (h * kKeys + j) * kstride + c, *vd = a.vb + (h * kKeys + j) * HD + c;
+        const int64_t n = a.lo + j, at = a.cbase + h * p.sk_h + n * p.sk_t + c;
+        if (n < a.hi && n < a.pos) {
+          cp_async16(kd, p.kc + at);
+          cp_async16(vd, p.vc + at);
+        } else {
+          *reinterpret_cast<uint4*>(kd) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(vd) = make_uint4(0, 0, 0, 0);
+        }
       }
     }
 #pragma unroll 1
@@ -715,13 +747,15 @@ struct Consumer {
     cp_async_commit();
   }
 
-  // The SM's attention item (kv head, split) of layer l: one an SM (the launcher checks HKV * NS <= P)
+  // The SM's attention item (kv head, split) of layer l: one an SM (the launcher checks HKV * NS <= P).
+  // With Params::every, every SM's item is all the heads (see Att), and the heads' output stays in
+  // the SM's shared memory (Att::qs, the o rows' input) instead of going out as LL words.
   __device__ void attention(int l, int item) {
     const uint32_t ta = now<kTimed>();
     const Att a = att_setup(l, item);
     cp_async_wait_all();  // (made visible to the other threads by the next block barrier)
     tally(16, now<kTimed>() - ta);
-    const int HD = p.HD, HALF = HD / 2, G = p.H / p.HKV, NS = p.NS;
+    const int HD = p.HD, HALF = HD / 2, G = p.H / p.HKV, NS = p.NS, nh = a.nh, nkv = a.nkv;
     const int kvh = a.kvh, sp = a.sp, length = a.length, chunk = a.chunk, lo = a.lo, hi = a.hi;
     const int64_t pos = a.pos;
     const int kstride = HD + 8;  // the key block's row stride (16-byte rows, no bank conflicts)
@@ -738,8 +772,8 @@ struct Consumer {
       int oa[kRopeIt];
 #pragma unroll
       for (int it = 0; it < kRopeIt; ++it) {
-        const int e = tid + it * kConsumers, g2 = e / HALF, d = e % HALF;
-        oa[it] = (g2 < G ? (kvh * G + g2) * HD : (p.H + kvh) * HD) + d;
+        const int e = tid + it * kConsumers, g2 = e / HALF, d = e % HALF;  // (g2 >= nh: kv head g2 - nh's key)
+        oa[it] = (g2 < nh ? (kvh * G + g2) * HD : (p.H + kvh + g2 - nh) * HD) + d;
         wa[it] = wb[it] = make_uint2(0, want);
       }
       const int ov = (p.H + p.HKV + kvh) * HD + tid;
@@ -747,12 +781,12 @@ struct Consumer {
       for (uint32_t n = 0, ok = 0;; ++n) {
 #pragma unroll
         for (int it = 0; it < kRopeIt; ++it) {
-          if (tid + it * kConsumers < (G + 1) * HALF && !(ok >> it & 1)) {
+          if (tid + it * kConsumers < (nh + nkv) * HALF && !(ok >> it & 1)) {
             wa[it] = ld_ll(p.qkv + oa[it] / 2);
             wb[it] = ld_ll(p.qkv + (oa[it] + HALF) / 2);
           }
         }
-        if (tid < HD && !(ok >> kRopeIt & 1)) wv = ld_ll(p.qkv + ov / 2);
+        if (tid < nkv * HD && !(ok >> kRopeIt & 1)) wv = ld_ll(p.qkv + ov / 2);
 #pragma unroll
         for (int it = 0; it < kRopeIt; ++it)
           if (wa[it].y == want && wb[it].y == want) ok |= 1u << it;
@@ -777,37 +811,43 @@ struct Consumer {
 #pragma unroll
       for (int it = 0; it < kRopeIt; ++it) {
         const int e = tid + it * kConsumers, g2 = e / HALF, d = e % HALF;
-        if (e >= (G + 1) * HALF) break;
+        if (e >= (nh + nkv) * HALF) break;
         const float xa = qa[it], xb = qb[it];
         const __nv_bfloat16 *ct = a.csb, *sn_ = a.csb + HD;  // (the angle rows, copied ahead)
         const float c0 = __bfloat162float(ct[d]), c1 = __bfloat162float(ct[d + HALF]);
         const float s0 = __bfloat162float(sn_[d]), s1 = __bfloat162float(sn_[d + HALF]);
         float o1 = bf(bf(xa * c0) - bf(xb * s0));
         float o2 = bf(bf(xb * c1) + bf(xa * s1));
-        if (g2 < G) {
+        if (g2 < nh) {
           qs[g2 * HD + d] = o1;
           qs[g2 * HD + d + HALF] = o2;
         } else {
-          kn[d] = o1;
-          kn[d + HALF] = o2;
+          const int h = g2 - nh;
+          kn[h * HD + d] = o1;
+          kn[h * HD + d + HALF] = o2;
           if (own_first) {
-            kb[orow * kstride + d] = __float2bfloat16(o1);
-            kb[orow * kstride + d + HALF] = __float2bfloat16(o2);
+            __nv_bfloat16* kr = kb + (h * kKeys + orow) * kstride;
+            kr[d] = __float2bfloat16(o1);
+            kr[d + HALF] = __float2bfloat16(o2);
           }
         }
       }
-      if (tid < HD) {
+      if (tid < nkv * HD) {  // (thread tid: kv head tid / HD's dim tid % HD)
         vn[tid] = vd;
-        if (own_first) vb[orow * HD + tid] = __float2bfloat16(vd);
+        if (own_first) vb[((tid / HD) * kKeys + orow) * HD + tid % HD] = __float2bfloat16(vd);
       }
       consumers_sync();
       tally(18, now<kTimed>() - tr);
-      if (pos >= lo && pos < hi) {  // this split holds the step's own key: into the cache
+      if (pos >= lo && pos < hi && (!p.every || pid == 0)) {  // this split holds the step's own key:
+                                                                 // into the cache (every: SM 0 writes it)
 #pragma unroll 1
-        for (int d = tid; d < HD; d += kConsumers) {
-          p.kc[cbase + pos * p.sk_t + d] = __float2bfloat16(kn[d]);
-          p.vc[cbase + pos * p.sk_t + d] = __float2bfloat16(vn[d]);
-        }
+        for (int h = 0; h < nkv; ++h)
+#pragma unroll 1
+          for (int d = tid; d < HD; d += kConsumers) {
+            const int64_t at = cbase + h * p.sk_h + pos * p.sk_t + d;
+            p.kc[at] = __float2bfloat16(kn[h * HD + d]);
+            p.vc[at] = __float2bfloat16(vn[h * HD + d]);
+          }
       }
       float m_i = -INFINITY, l_i = 0.f;  // warp g's head (lanes agree)
       float2 o[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};  // the thread's pairs (own_dims)
@@ -817,28 +857,30 @@ struct Consumer {
         // the block's keys and values: the first block was copied ahead (its own row, if any, put
         // in during RoPE: see own_first); later ones from the cache, the own row from kn, vn
         const bool copied = start == lo;
-        for (int e = tid; e < kKeys * (HD / 8) && !copied; e += kConsumers) {
-          int j = e / (HD / 8), c = (e % (HD / 8)) * 8;
+        for (int h = 0; h < nkv && !copied; ++h)
+        for (int e = tid; e < kKeys * (HD / 8); e += kConsumers) {
+          const int j = e / (HD / 8), c = (e % (HD / 8)) * 8;
           int n = start + j;
           uint4 ku = make_uint4(0, 0, 0, 0), vu = make_uint4(0, 0, 0, 0);
           if (n < hi && n != pos) {
-            ku = __ldcg(reinterpret_cast<const uint4*>(p.kc + cbase + n * p.sk_t + c));
-            vu = __ldcg(reinterpret_cast<const uint4*>(p.vc + cbase + n * p.sk_t + c));
+            ku = __ldcg(reinterpret_cast<const uint4*>(p.kc + cbase + h * p.sk_h + n * p.sk_t + c));
+            vu = __ldcg(reinterpret_cast<const uint4*>(p.vc + cbase + h * p.sk_h + n * p.sk_t + c));
           } else if (n == pos) {
             __nv_bfloat162* kh = reinterpret_cast<__nv_bfloat162*>(&ku);
             __nv_bfloat162* vh = reinterpret_cast<__nv_bfloat162*>(&vu);
+            const float *kr = kn + h * HD + c, *vr = vn + h * HD + c;
 #pragma unroll
             for (int t = 0; t < 4; ++t) {
-              kh[t] = __floats2bfloat162_rn(kn[c + 2 * t], kn[c + 2 * t + 1]);
-              vh[t] = __floats2bfloat162_rn(vn[c + 2 * t], vn[c + 2 * t + 1]);
+              kh[t] = __floats2bfloat162_rn(kr[2 * t], kr[2 * t + 1]);
+              vh[t] = __floats2bfloat162_rn(vr[2 * t], vr[2 * t + 1]);
             }
           }
-          *reinterpret_cast<uint4*>(kb + j * kstride + c) = ku;
-          *reinterpret_cast<uint4*>(vb + j * HD + c) = vu;
+          *reinterpret_cast<uint4*>(kb + (h * kKeys + j) * kstride + c) = ku;
+          *reinterpret_cast<uint4*>(vb + (h * kKeys + j) * HD + c) = vu;
         }
         if (!copied) consumers_sync();
-        for (int gh = warp; gh < G; gh += kConsumerWarps) {  // warp gh: head gh, lane j: key j
-          const __nv_bfloat16* kr = kb + lane * kstride;
+        for (int gh = warp; gh < nh; gh += kConsumerWarps) {  // warp gh: head gh, lane j: key j
+          const __nv_bfloat16* kr = kb + (gh / G * kKeys + lane) * kstride;
           // eight sums a lane, one for each column of an 8-column piece: a chain of HD / 8 FMAs,
           // not HD (the dot product's order is then (columns mod 8), then a tree of the eight)
           float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -873,8 +915,9 @@ struct Consumer {
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           int gh, d;
-          if (!own_dims(t, G, HD, gh, d)) break;
+          if (!own_dims(t, nh, HD, gh, d)) break;
           const float alpha = al[gh];
+          const __nv_bfloat16* vh = vb + gh / G * kKeys * HD + d;
           // the even keys' and the odd keys' sums apart (chains of kKeys / 2), the pair's two dims
           // side by side: four chains a thread
           float a0 = o[t].x * alpha, a1 = o[t].y * alpha, b0 = 0.f, b1 = 0.f;
@@ -884,7 +927,7 @@ struct Consumer {
             const float pv[4] = {pj.x, pj.y, pj.z, pj.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vb + (j + i) * HD + d));
+              const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vh + (j + i) * HD));
               if (i % 2 == 0) {
                 a0 = fmaf(pv[i], v.x, a0);
                 a1 = fmaf(pv[i], v.y, a1);
@@ -903,7 +946,7 @@ struct Consumer {
       // the split's partial (LL floats, its max and sum after it), or with one split the heads'
       // output straight from the thread's sums (ls: the block loop's last barrier made it visible)
       const int prow = (kvh * G) * NS + sp;  // + gh * NS: the head's row of partials
-      if (NS > 1 && warp < G && lane == 0) {
+      if (NS > 1 && warp < nh && lane == 0) {
         uint2* r = p.part + (int64_t)(prow + warp * NS) * (HD + 2) + HD;
         st_ll(r, __float_as_uint(m_i), want);
         st_ll(r + 1, __float_as_uint(l_i), want);
@@ -911,10 +954,15 @@ struct Consumer {
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         int gh, d;
-        if (!own_dims(t, G, HD, gh, d)) break;
+        if (!own_dims(t, nh, HD, gh, d)) break;
         if (NS == 1) {
           const float den = ls[gh], dv = den > 0.f ? den : 1.f;
-          st_ll(p.attn + (kvh * G * HD + gh * HD + d) / 2, pack_bf2(o[t].x / dv, o[t].y / dv), want);
+          if (p.every) {  // (the o rows' input: as the LL word's bf16 pair would give it)
+            qs[gh * HD + d] = bf(o[t].x / dv);
+            qs[gh * HD + d + 1] = bf(o[t].y / dv);
+          } else {
+            st_ll(p.attn + (kvh * G * HD + gh * HD + d) / 2, pack_bf2(o[t].x / dv, o[t].y / dv), want);
+          }
         } else {
           uint2* r = p.part + (int64_t)(prow + gh * NS) * (HD + 2) + d;
           st_ll(r, __float_as_uint(o[t].x), want);
@@ -924,6 +972,7 @@ struct Consumer {
       tally(19, now<kTimed>() - te);
     }
     if (NS == 1) {
+      if (p.every) consumers_sync();  // (the heads in qs, for every warp's o rows)
       tally(14, now<kTimed>() - ta);
       return;
     }
@@ -1046,7 +1095,11 @@ struct Consumer {
       const bool head = l >= p.L;
       want = epoch * (uint32_t)p.L + (uint32_t)min(l, p.L) + 1u;  // (a head chunk polls the last layer's down)
       const __nv_bfloat16* nw = head ? p.fnorm : p.nrm + (int64_t)l * 2 * p.DIM;
-      const bool attends = pid < nitem && p.mode < 2;  // (probe modes 2 and 3 skip the attention)
+      // (probe modes 2 and 3 skip the attention.) With Params::every, the SMs with o rows attend:
+      // q|k|v's readers must be SMs whose rows the next layer's q|k|v waits for (through o, gate|up
+      // and down), or a slow reader could find the next layer's words; SM 0 (which has o rows)
+      // writes the cache.
+      const bool attends = (p.every ? rows->n[1] > 0 : pid < nitem) && p.mode < 2;
       if (attends && l == 0) att_prefetch(att_setup(0, pid));  // (later layers': after the attention before)
       // Q (an SM with no rows of a phase reads nothing of it: a row it waited for could already
       // be the next layer's)
@@ -1097,7 +1150,11 @@ struct Consumer {
       const Slice so = sl(l, 1);
       if (so.n > 0) {
         uint32_t t0 = now<kTimed>();
-        load_x_ll(p.attn, hhd, want, xr);
+        if (p.every) {
+          load_x_smem(xs, hhd, xr);  // (the SM's own heads: attention() ended at a barrier)
+        } else {
+          load_x_ll(p.attn, hhd, want, xr);
+        }
         tally(5, now<kTimed>() - t0);
       }
       slice_stages(so, 0, xr);
@@ -1362,7 +1419,7 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int pid = blockIdx.x, P = gridDim.x;
-  const int xsf = xs_floats(p.DIM, p.H / p.HKV, p.HD);
+  const int xsf = xs_floats(p.DIM, p.every ? p.H : p.H / p.HKV, p.every ? p.HKV : 1, p.HD);
   Ring ring;
   ring.n = p.nstages;
   ring.buf = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -1398,8 +1455,8 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
 extern "C" {
 
 // Shared memory a block needs beside its ring of stages.
-int realtime_stack_fixed_smem(int dim, int g, int hd) {
-  return (xs_floats(dim, g, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + kStats * 8 +
+int realtime_stack_fixed_smem(int dim, int nh, int nkv, int hd) {
+  return (xs_floats(dim, nh, nkv, hd) + 3) / 4 * 16 + kMaxParts * 4 + (kConsumerWarps + 8) * 4 + kStats * 8 +
          (int)sizeof(Rows);
 }
 
@@ -1410,7 +1467,7 @@ int realtime_stack_threads() { return kThreads; }
 // a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
 // whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0, lgout or 0), f: eps and qk_scale,
 // n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff, V,
-// nhead). Returns a cudaError_t.
+// nhead, every). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -1462,6 +1519,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.logits = reinterpret_cast<__nv_bfloat16*>(a[31]);
   p.V = n[13];
   p.nhead = n[14];
+  p.every = n[15];
   p.s_temp = reinterpret_cast<const float*>(a[32]);
   p.s_topk = reinterpret_cast<const int64_t*>(a[33]);
   p.s_seed = reinterpret_cast<const int64_t*>(a[34]);

@@ -244,6 +244,53 @@ def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: di
     assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
 
 
+def test_every_sm_attends_where_the_heads_fit() -> None:
+    """Every SM attends to all the heads itself (no hand-over of the heads) for the CSM depth
+    decoder's layout at its short caches, not for a Llama layout or a long cache."""
+    assert dsc.every_fits(8, 2, 128, 32) and dsc.every_fits(8, 2, 128, 64)  # the depth decoder
+    assert not dsc.every_fits(8, 2, 128, 65)  # past two blocks of keys
+    assert not dsc.every_fits(32, 8, 64, 32)  # Llama-3.2-1B: 32 query heads
+    assert not dsc.every_fits(8, 4, 128, 32)  # 512 v values: two a thread
+    assert dsc.every_fits(8, 4, 64, 48) and not dsc.every_fits(8, 8, 64, 48)  # 256 v values, then 512
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt", [0, 5, 31, 32, 40])
+def test_every_sm_attending_is_the_items_step(prompt: int) -> None:
+    """Every SM attending to all the heads gives the step of the attention items with one split
+    (the heads handed over) bit for bit: the same sums in the same order, the heads rounded to
+    bf16 as the hand-over's words are. Output and caches; with the gather, the head and the
+    sampled token too; each twice (a race would show as two runs that differ); empty cache, one
+    block, a block's edge and two blocks."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    w, cache, slots, pos, cos, sin, table, head, (k0, v0) = _gather_case(DEPTH, prompt, 64, 2051, 0.1)
+    x = table[3:4].contiguous()
+    dev = "cuda"
+    rows = (torch.tensor([0.9], device=dev), torch.tensor([50], device=dev), torch.tensor([11], device=dev),
+            torch.tensor([prompt], device=dev))
+    got = {}
+    for run, every in ((0, False), (0, True), (1, True), (1, False)):
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        out = dsc.decode_stack_cuda(w, x, pos, cache.k, cache.v, slots, cos, sin, splits=1, every=every)
+        ks, vs = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
+        _, logits, tok = dsc.decode_stack_cuda(w, table, pos, cache.k, cache.v, slots, cos, sin, splits=1,
+                                               every=every, x_index=torch.tensor([3], device=dev), head=head,
+                                               sample=(*rows, 0))
+        torch.cuda.synchronize()
+        assert dsc.errors(w) == 0, (run, every)
+        got[run, every] = dict(out=out, k=ks, v=vs, logits=logits, token=int(tok))
+    assert not torch.equal(got[0, True]["k"], k0)  # the step wrote its key
+    for a, b in (((0, True), (1, True)), ((0, False), (1, False)), ((0, False), (0, True))):
+        for name, va in got[a].items():
+            vb = got[b][name]
+            same = va == vb if name == "token" else torch.equal(va, vb)
+            assert same, (a, b, name, va if name == "token" else _rel(va, vb), vb if name == "token" else "")
+
+
 def test_head_chunks_fit_the_partial_sums() -> None:
     """A head's rows go through the kernel in chunks whose partial sums fit kMaxParts (1024
     floats): the most rows any SM has, over the rows a chunk (whole 16 KB stages)."""
