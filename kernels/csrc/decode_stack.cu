@@ -681,11 +681,11 @@ struct Consumer {
     __nv_bfloat16 *kb, *vb, *csb;
   };
 
-  // The thread's t-th pair of adjacent outputs (head gh, dims d and d + 1) of the item's G x HD
-  // output (the pairs tid, tid + 256; o[t] accumulates it): false past the last pair. A pair's
-  // values are one 4-byte load a key and one LL word of the heads.
-  __device__ bool own_dims(int t, int G, int HD, int& gh, int& d) const {
-    const int e = 2 * (tid + t * kConsumers);
+  // The thread's four adjacent outputs (head gh, dims d .. d + 3) of the item's G x HD output
+  // (G * HD <= 1024: one quad a thread covers it): false past the last quad. A quad's values are
+  // one 8-byte load a key and two LL words of the heads.
+  __device__ bool own_dims(int G, int HD, int& gh, int& d) const {
+    const int e = 4 * tid;
     gh = e / HD;
     d = e % HD;
     return e < G * HD;
@@ -850,7 +850,7 @@ struct Consumer {
           }
       }
       float m_i = -INFINITY, l_i = 0.f;  // warp g's head (lanes agree)
-      float2 o[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};  // the thread's pairs (own_dims)
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);  // the thread's quad (own_dims)
       float* ls = al + 8;  // the heads' softmax sums so far (al's region holds 32 floats)
       const uint32_t tb = now<kTimed>();
       for (int start = lo; start < hi; start += kKeys) {
@@ -912,32 +912,32 @@ struct Consumer {
           }
         }
         consumers_sync();
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        {
           int gh, d;
-          if (!own_dims(t, nh, HD, gh, d)) break;
-          const float alpha = al[gh];
-          const __nv_bfloat16* vh = vb + gh / G * kKeys * HD + d;
-          // the even keys' and the odd keys' sums apart (chains of kKeys / 2), the pair's two dims
-          // side by side: four chains a thread
-          float a0 = o[t].x * alpha, a1 = o[t].y * alpha, b0 = 0.f, b1 = 0.f;
+          if (own_dims(nh, HD, gh, d)) {
+            const float alpha = al[gh];
+            const __nv_bfloat16* vh = vb + gh / G * kKeys * HD + d;
+            // the even keys' and the odd keys' sums apart (chains of kKeys / 2), the quad's four
+            // dims side by side: eight chains a thread, one 8-byte load a key
+            float a[4] = {o.x * alpha, o.y * alpha, o.z * alpha, o.w * alpha}, b[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4  // (four turns' loads issued together; one at a time, 8 round trips to shared memory)
-          for (int j = 0; j < kKeys; j += 4) {
-            const float4 pj = *reinterpret_cast<const float4*>(pb + gh * kKeys + j);
-            const float pv[4] = {pj.x, pj.y, pj.z, pj.w};
+            for (int j = 0; j < kKeys; j += 4) {
+              const float4 pj = *reinterpret_cast<const float4*>(pb + gh * kKeys + j);
+              const float pv[4] = {pj.x, pj.y, pj.z, pj.w};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vh + (j + i) * HD));
-              if (i % 2 == 0) {
-                a0 = fmaf(pv[i], v.x, a0);
-                a1 = fmaf(pv[i], v.y, a1);
-              } else {
-                b0 = fmaf(pv[i], v.x, b0);
-                b1 = fmaf(pv[i], v.y, b1);
+              for (int i = 0; i < 4; ++i) {
+                const uint2 u = *reinterpret_cast<const uint2*>(vh + (j + i) * HD);
+                const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+                const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+                float* acc = i % 2 == 0 ? a : b;
+                acc[0] = fmaf(pv[i], v0.x, acc[0]);
+                acc[1] = fmaf(pv[i], v0.y, acc[1]);
+                acc[2] = fmaf(pv[i], v1.x, acc[2]);
+                acc[3] = fmaf(pv[i], v1.y, acc[3]);
               }
             }
+            o = make_float4(a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]);
           }
-          o[t] = make_float2(a0 + b0, a1 + b1);
         }
         consumers_sync();
       }
@@ -951,22 +951,26 @@ struct Consumer {
         st_ll(r, __float_as_uint(m_i), want);
         st_ll(r + 1, __float_as_uint(l_i), want);
       }
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        int gh, d;
-        if (!own_dims(t, nh, HD, gh, d)) break;
+      int gh, d;
+      if (own_dims(nh, HD, gh, d)) {
         if (NS == 1) {
           const float den = ls[gh], dv = den > 0.f ? den : 1.f;
-          if (p.every) {  // (the o rows' input: as the LL word's bf16 pair would give it)
-            qs[gh * HD + d] = bf(o[t].x / dv);
-            qs[gh * HD + d + 1] = bf(o[t].y / dv);
+          if (p.every) {  // (the o rows' input: as the LL words' bf16 pairs would give it)
+            qs[gh * HD + d] = bf(o.x / dv);
+            qs[gh * HD + d + 1] = bf(o.y / dv);
+            qs[gh * HD + d + 2] = bf(o.z / dv);
+            qs[gh * HD + d + 3] = bf(o.w / dv);
           } else {
-            st_ll(p.attn + (kvh * G * HD + gh * HD + d) / 2, pack_bf2(o[t].x / dv, o[t].y / dv), want);
+            uint2* r = p.attn + (kvh * G * HD + gh * HD + d) / 2;
+            st_ll(r, pack_bf2(o.x / dv, o.y / dv), want);
+            st_ll(r + 1, pack_bf2(o.z / dv, o.w / dv), want);
           }
         } else {
           uint2* r = p.part + (int64_t)(prow + gh * NS) * (HD + 2) + d;
-          st_ll(r, __float_as_uint(o[t].x), want);
-          st_ll(r + 1, __float_as_uint(o[t].y), want);
+          st_ll(r, __float_as_uint(o.x), want);
+          st_ll(r + 1, __float_as_uint(o.y), want);
+          st_ll(r + 2, __float_as_uint(o.z), want);
+          st_ll(r + 3, __float_as_uint(o.w), want);
         }
       }
       tally(19, now<kTimed>() - te);
