@@ -229,7 +229,7 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     variants = [dict()] if args.lean else [dict(), dict(backoff=300), dict(inflight=3), dict(balance=40),
                                            dict(splits=4), dict(splits=12)]
     fits = dsc.every_fits(w.n_heads, w.n_kv_heads, w.head_dim, cache.k.shape[3])
-    every = dsc.EVERY and fits  # the default's choice (see decode_stack_cuda's `every`)
+    every = dsc.every_default(w.n_heads, w.n_kv_heads, w.head_dim, cache.k.shape[3])
     if fits:  # the attention as items handing the heads over, beside every SM attending (or the reverse)
         variants.insert(1, dict(every=not every))
     most = dsc.ring_stages(w, step_x.device, every)
@@ -243,7 +243,7 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         def fn(kw=kw):  # noqa: ANN202
             return dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, **kw)
         fl = kw.get("inflight", dsc.INFLIGHT)
-        ev = kw.get("every", every and ns in (None, 1))
+        ev = kw.get("every", dsc.every_default(w.n_heads, w.n_kv_heads, w.head_dim, cache.k.shape[3], ns))
         name = ("CUDA stack, every SM attends" if ev else
                 f"CUDA stack, splits={ns or dsc.default_splits(w.n_kv_heads, cache.k.shape[3], sms)}")
         name = (name

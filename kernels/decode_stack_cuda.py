@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ._triton import check
 
-__all__ = ["available", "takes", "every_fits", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
+__all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
            "head_chunks", "STATS", "STAT_NAMES"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
@@ -93,6 +93,17 @@ def every_fits(n_heads: int, n_kv_heads: int, head_dim: int, tmax: int) -> bool:
     threads (3 pairs and 1 value a thread at most), at most two 32-key blocks of cache."""
     return (n_heads <= 8 and (n_heads + n_kv_heads) * head_dim // 2 <= 3 * 256 and n_kv_heads * head_dim <= 256
             and tmax <= 2 * _KEYS)
+
+
+def every_default(n_heads: int, n_kv_heads: int, head_dim: int, tmax: int, splits: int | None = None) -> bool:
+    """``decode_stack_cuda``'s choice when ``every`` is None: every SM attends where it fits and
+    one split (or the default) is asked for, unless REALTIME_STACK_EVERY=0."""
+    return EVERY and splits in (None, 1) and every_fits(n_heads, n_kv_heads, head_dim, tmax)
+
+
+def _attended(h: int, hkv: int, every: bool) -> tuple[int, int]:
+    """(query heads, kv heads) one SM attends with: all of them with ``every``, else one kv head's."""
+    return (h, hkv) if every else (h // hkv, 1)
 
 
 def _cache_dir() -> Path:
@@ -185,8 +196,8 @@ def _index(device: torch.device) -> int:
 def ring_stages(w, device: torch.device, every: bool = False) -> int:  # noqa: ANN001
     """How many 16 KB ring stages fit beside the fixed shared memory for this stack on this GPU
     (every: with every SM attending to all the heads)."""
-    nh, nkv = (w.n_heads, w.n_kv_heads) if every else (w.n_heads // w.n_kv_heads, 1)
-    return _smem_plan(build(), w.qkv.shape[2], nh, nkv, w.head_dim, None, _index(device))[0]
+    return _smem_plan(build(), w.qkv.shape[2], *_attended(w.n_heads, w.n_kv_heads, every), w.head_dim, None,
+                      _index(device))[0]
 
 
 def row_start(n: int, pid: int, programs: int, items: int, balance: int) -> int:
@@ -226,7 +237,7 @@ def _plan(dim: int, nqkv: int, h: int, hkv: int, hd: int, inter: int, p: int, ns
     check(hkv * ns <= p, f"{hkv} kv heads x {ns} splits: more attention items than programs ({p})")
     check(-1 <= balance <= 500, f"balance is -1 or 0..500 per mille, got {balance}")
     check(p <= _sms(device), "at most one program an SM (every program must be resident)")
-    n_stages, smem = _smem_plan(dll, dim, h if every else h // hkv, hkv if every else 1, hd, stages, device)
+    n_stages, smem = _smem_plan(dll, dim, *_attended(h, hkv, every), hd, stages, device)
     most = max_rows(p, hkv * ns, balance)
     parts = max(2 * most(inter) * (dim // _SEG), most(nqkv) * (dim // _SEG), most(dim) * (inter // _SEG),
                 most(dim) * (h * hd // _SEG))
@@ -321,10 +332,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     dll = build()
     device = _index(x.device)
     p = programs or _sms(device)
-    fits = every_fits(h, hkv, hd, k_cache.shape[3])
     if every is None:
-        every = EVERY and fits and splits in (None, 1)
-    check(not every or (fits and splits in (None, 1)),
+        every = every_default(h, hkv, hd, k_cache.shape[3], splits)
+    check(not every or (every_fits(h, hkv, hd, k_cache.shape[3]) and splits in (None, 1)),
           "every SM attending takes at most 8 query heads, at most 64 cached keys and one split")
     ns = 1 if every else splits or default_splits(hkv, k_cache.shape[3], p)
     n_stages, smem = _plan(dim, nqkv, h, hkv, hd, inter, p, ns, stages, balance, device, bool(every))

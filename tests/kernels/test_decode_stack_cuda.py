@@ -252,6 +252,9 @@ def test_every_sm_attends_where_the_heads_fit() -> None:
     assert not dsc.every_fits(32, 8, 64, 32)  # Llama-3.2-1B: 32 query heads
     assert not dsc.every_fits(8, 4, 128, 32)  # 512 v values: two a thread
     assert dsc.every_fits(8, 4, 64, 48) and not dsc.every_fits(8, 8, 64, 48)  # 256 v values, then 512
+    # the launcher's default: where it fits and with one split (or the default), unless switched off
+    assert dsc.every_default(8, 2, 128, 32) == dsc.EVERY == dsc.every_default(8, 2, 128, 32, splits=1)
+    assert not dsc.every_default(8, 2, 128, 32, splits=2) and not dsc.every_default(32, 8, 64, 32)
 
 
 @pytest.mark.gpu
