@@ -121,6 +121,11 @@ struct Params {
   __nv_bfloat16* lgout;  // [V] with a token: the logits for the caller (see below), else null
 };
 
+// The query heads an SM attends with and their kv heads: all of them with Params::every, else the G
+// query heads of one kv head (one helper for att_setup and the launch's scratch size)
+__host__ __device__ inline int att_heads(const Params& p) { return p.every ? p.H : p.H / p.HKV; }
+__host__ __device__ inline int att_kv_heads(const Params& p) { return p.every ? p.HKV : 1; }
+
 // stats[pid * kStats + ...]: cycles the producer waited for free stages, the producer's total,
 // cycles the consumers waited for a stage's bytes, polled for the rows before Q (the previous
 // layer's down), A (q|k|v), O (the heads), G (o), D (gate|up), in the attention, total, in the
@@ -694,8 +699,8 @@ struct Consumer {
   __device__ Att att_setup(int l, int item) const {
     Att a;
     const int HD = p.HD, NS = p.NS;
-    a.nh = p.every ? p.H : p.H / p.HKV;
-    a.nkv = p.every ? p.HKV : 1;
+    a.nh = att_heads(p);
+    a.nkv = att_kv_heads(p);
     a.kvh = p.every ? 0 : item / NS;
     a.sp = p.every ? 0 : item % NS;
     a.pos = pos0;  // (read once at the step's start: a global load here is a round trip on the chain)
@@ -1423,7 +1428,7 @@ __global__ void __launch_bounds__(kThreads, 1) stack_kernel(const __grid_constan
   extern __shared__ __align__(1024) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int pid = blockIdx.x, P = gridDim.x;
-  const int xsf = xs_floats(p.DIM, p.every ? p.H : p.H / p.HKV, p.every ? p.HKV : 1, p.HD);
+  const int xsf = xs_floats(p.DIM, att_heads(p), att_kv_heads(p), p.HD);
   Ring ring;
   ring.n = p.nstages;
   ring.buf = reinterpret_cast<__nv_bfloat16*>(smem);
