@@ -10,12 +10,19 @@
 # COMMIT, OUT_DIR and the one results.tgz: see bench/h200_run.sh. PARTS (env) picks a subset,
 # e.g. PARTS="text csm" (default: csm tts text), to split the run over two calls when one would
 # pass the device's 10-minute limit. CSM_BATCHES (default "1 8 64") and CSM_TIMEOUT (300 s) trim the CSM part.
+# STACK=cuda runs the csm and text parts' engines with the CUDA C++ decode stack (REALTIME_STACK=csm or
+# text, REALTIME_STACK_KERNEL=cuda: one-row steps, so batch 1); the served tts part keeps the layer path
+# (the stack's persistent kernel would wait on the codec's kernels beside it).
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-csm tts text}"
+stack_env() {  # the variables that put engine $1 on the CUDA stack, or none
+  if [ "${STACK:-}" = cuda ]; then echo "REALTIME_STACK=$1 REALTIME_STACK_KERNEL=cuda"; fi
+}
+[ -n "${STACK:-}" ] && [ "$STACK" != cuda ] && { echo "STACK must be cuda or unset, got '$STACK'" >&2; exit 2; }
 
 if [[ " $parts " == *" csm "* ]]; then
 echo "== CSM engine (builds a random CSM-1B in /tmp/csm1b on first use)"
-timeout "${CSM_TIMEOUT:-300}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches ${CSM_BATCHES:-1 8 64} --variants graphed_kernels \
+env $(stack_env csm) timeout "${CSM_TIMEOUT:-300}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches ${CSM_BATCHES:-1 8 64} --variants graphed_kernels \
   --frames 48 --out "$work/csm_engine_h200.json" > "$work/csm_engine.log" 2>&1
 grep "^\[" "$work/csm_engine.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|Mimi\|HF" | cut -c1-170
 fi
@@ -31,11 +38,11 @@ fi
 
 if [[ " $parts " == *" text "* ]]; then
 echo "== text decode"
-timeout 200 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
+env $(stack_env text) timeout 200 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
 grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity" | tail -20
 
 echo "== text decode, sampled (temperature 1, no top-k/top-p: the API default)"
-timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --out "$work/text_h200_sampled.json" \
+env $(stack_env text) timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --out "$work/text_h200_sampled.json" \
   > "$work/text_sampled.log" 2>&1
 grep "^ours" "$work/text_sampled.log"
 fi
