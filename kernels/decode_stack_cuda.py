@@ -43,6 +43,9 @@ _KEYS = 32  # keys an attention block (kKeys)
 _SEG = 1024  # elements a warp multiplies a stage (kSeg): K must be a multiple, dividing a stage
 _STAGE_ELEMS = 8192  # bf16 elements a 16 KB stage (kStageElems)
 _MAX_PARTS = 1024  # kMaxParts: float partial sums a phase
+_WARPS = 8  # kConsumerWarps: consumer warps a block (one query head each when every SM attends)
+_CONSUMERS = 32 * _WARPS  # kConsumers
+_ROPE_IT = 3  # kRopeIt: rotated (head, pair) items a consumer thread at most
 # Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
@@ -91,8 +94,8 @@ def every_fits(n_heads: int, n_kv_heads: int, head_dim: int, tmax: int) -> bool:
     """Whether every SM can attend to all the heads itself (the CSM depth decoder's layout): one
     warp a query head (at most 8), every rotated q|k pair and v value polled by the 256 consumer
     threads (3 pairs and 1 value a thread at most), at most two 32-key blocks of cache."""
-    return (n_heads <= 8 and (n_heads + n_kv_heads) * head_dim // 2 <= 3 * 256 and n_kv_heads * head_dim <= 256
-            and tmax <= 2 * _KEYS)
+    return (n_heads <= _WARPS and (n_heads + n_kv_heads) * head_dim // 2 <= _ROPE_IT * _CONSUMERS
+            and n_kv_heads * head_dim <= _CONSUMERS and tmax <= 2 * _KEYS)
 
 
 def every_default(n_heads: int, n_kv_heads: int, head_dim: int, tmax: int, splits: int | None = None) -> bool:
