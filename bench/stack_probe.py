@@ -235,6 +235,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     most = dsc.ring_stages(w, step_x.device, every)
     log(f"CUDA stack: {most} ring stages of 16 KB fit an SM (the default)"
         + (", every SM attends to all the heads" if every else ""))
+    if args.inflight_scan:  # copies in flight an SM: the memory's latency times its bandwidth
+        variants += [dict(inflight=n) for n in args.inflight_scan]
     if args.stage_scan:  # the ring's size: as many stages as fit, then fewer
         variants += [dict(stages=n) for n in (most - 1, most - 2, most - 4) if n >= 2]
     for kw in variants:
@@ -312,7 +314,9 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     for mode, kw, name in ((1, {}, "CUDA stack, no polls (probe mode 1)"),
                            (3, {}, "CUDA stack, no polls, no attention (probe mode 3)"),
                            (2, {}, "CUDA stack, weights streamed only (probe mode 2)"),
-                           (2, dict(inflight=0), "CUDA stack, weights streamed only, all in flight")):
+                           (2, dict(inflight=0), "CUDA stack, weights streamed only, all in flight"),
+                           *((2, dict(inflight=n), f"CUDA stack, weights streamed only, {n} in flight")
+                             for n in (args.inflight_scan or ()) if n)):
         row(name, lambda mode=mode, kw=kw: dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin,
                                                                  mode=mode, **kw), weight_bytes)
     cache.k.copy_(k0)
@@ -363,6 +367,9 @@ def main() -> int:
     ap.add_argument("--head-rows", type=int, default=None,
                     help="rows of a head after the stack for the one-row-step rows (default: 128256, Llama-3.2's "
                          "LM head, for 1b; 2051, a CSM codebook head, for csm-depth; 0: none)")
+    ap.add_argument("--inflight-scan", type=int, nargs="+", default=None, metavar="N",
+                    help="CUDA stack rows with N weight copies in flight an SM (0: the whole ring), "
+                         "and the stream alone (probe mode 2) at each")
     ap.add_argument("--stage-scan", action="store_true",
                     help="CUDA stack rows with 1, 2 and 4 ring stages fewer than fit")
     ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")

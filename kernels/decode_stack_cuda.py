@@ -48,7 +48,9 @@ _CONSUMERS = 32 * _WARPS  # kConsumers
 _ROPE_IT = 3  # kRopeIt: rotated (head, pair) items a consumer thread at most
 # Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
-INFLIGHT = 2  # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)
+# H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call).
+# REALTIME_STACK_INFLIGHT overrides it (0: the whole ring), for a GPU whose memory wants more in flight
+INFLIGHT = int(os.environ.get("REALTIME_STACK_INFLIGHT", "2").strip() or "2")
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 # Every SM attends (to all kv heads, one split) where every_fits(), unless REALTIME_STACK_EVERY=0:
 # the heads' output then feeds the SM's own o rows, with no hand-over (see the .cu's attention())
