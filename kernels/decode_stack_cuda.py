@@ -50,7 +50,15 @@ _ROPE_IT = 3  # kRopeIt: rotated (head, pair) items a consumer thread at most
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 # H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call).
 # REALTIME_STACK_INFLIGHT overrides it (0: the whole ring), for a GPU whose memory wants more in flight
-INFLIGHT = int(os.environ.get("REALTIME_STACK_INFLIGHT", "2").strip() or "2")
+def _inflight_env() -> int:
+    raw = os.environ.get("REALTIME_STACK_INFLIGHT", "").strip()
+    if not raw:
+        return 2
+    check(raw.isdigit(), f"REALTIME_STACK_INFLIGHT must be a count >= 0 (0: the whole ring), got {raw!r}")
+    return int(raw)
+
+
+INFLIGHT = _inflight_env()
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 # Every SM attends (to all kv heads, one split) where every_fits(), unless REALTIME_STACK_EVERY=0:
 # the heads' output then feeds the SM's own o rows, with no hand-over (see the .cu's attention())

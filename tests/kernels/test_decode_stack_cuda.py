@@ -125,6 +125,22 @@ def test_refuses_what_it_does_not_take() -> None:
         dsc.decode_stack_cuda(w, x, z, z, z, z, z, z)
 
 
+@pytest.mark.parametrize("value, want", [("", "2"), ("4", "4"), ("0", "0"), ("x", "must be a count"),
+                                         ("-1", "must be a count")])
+def test_copies_in_flight_from_the_environment(value: str, want: str) -> None:
+    """REALTIME_STACK_INFLIGHT sets the default weight copies in flight an SM, read at import; a
+    value that is not a count fails the import with a message naming the variable."""
+    import os
+    import sys
+
+    env = {**os.environ, "REALTIME_STACK_INFLIGHT": value}
+    res = subprocess.run([sys.executable, "-c", "from realtime.kernels import decode_stack_cuda as d; print(d.INFLIGHT)"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    out = res.stdout.strip() if res.returncode == 0 else res.stderr
+    assert want in out, out[-400:]
+    assert (res.returncode == 0) == want.isdigit()
+
+
 def _model(seed: int = 0, with_f32: bool = False, cfg: TransformerConfig = CFG):  # noqa: ANN202
     """The bf16 ``cfg`` model on CUDA with its stack on (and, with_f32, the same weights in float32)."""
     torch.manual_seed(seed)
