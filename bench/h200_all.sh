@@ -13,6 +13,7 @@
 # STACK=cuda runs the csm and text parts' engines with the CUDA C++ decode stack (REALTIME_STACK=csm or
 # text, REALTIME_STACK_KERNEL=cuda: one-row steps, so batch 1); the served tts part keeps the layer path
 # (the stack's persistent kernel would wait on the codec's kernels beside it).
+# REALTIME_STACK_INFLIGHT (env, passed through) sets the stack's weight copies in flight an SM (default 2).
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-csm tts text}"
 stack_env() {  # the variables that put engine $1 on the CUDA stack, or none
