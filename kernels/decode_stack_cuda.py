@@ -46,15 +46,17 @@ _MAX_PARTS = 1024  # kMaxParts: float partial sums a phase
 _WARPS = 8  # kConsumerWarps: consumer warps a block (one query head each when every SM attends)
 _CONSUMERS = 32 * _WARPS  # kConsumers
 _ROPE_IT = 3  # kRopeIt: rotated (head, pair) items a consumer thread at most
-# Weight copies in flight an SM at most: the ring's other stages hold landed bytes (see the .cu)
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
-# H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call).
-# REALTIME_STACK_INFLIGHT overrides it (0: the whole ring), for a GPU whose memory wants more in flight
+
+
 def _inflight_env() -> int:
+    """Weight copies in flight an SM at most (the ring's other stages hold landed bytes; see the
+    .cu): 2, or REALTIME_STACK_INFLIGHT (0: the whole ring), for a GPU whose memory wants more in
+    flight. H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)."""
     raw = os.environ.get("REALTIME_STACK_INFLIGHT", "").strip()
     if not raw:
         return 2
-    check(raw.isdigit(), f"REALTIME_STACK_INFLIGHT must be a count >= 0 (0: the whole ring), got {raw!r}")
+    check(raw.isascii() and raw.isdigit(), f"REALTIME_STACK_INFLIGHT must be a count >= 0 (0: the whole ring), got {raw!r}")
     return int(raw)
 
 

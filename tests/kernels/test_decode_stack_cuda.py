@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,9 +132,6 @@ def test_refuses_what_it_does_not_take() -> None:
 def test_copies_in_flight_from_the_environment(value: str, want: str) -> None:
     """REALTIME_STACK_INFLIGHT sets the default weight copies in flight an SM, read at import; a
     value that is not a count fails the import with a message naming the variable."""
-    import os
-    import sys
-
     env = {**os.environ, "REALTIME_STACK_INFLIGHT": value}
     res = subprocess.run([sys.executable, "-c", "from realtime.kernels import decode_stack_cuda as d; print(d.INFLIGHT)"],
                          capture_output=True, text=True, env=env, timeout=120)
