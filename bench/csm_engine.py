@@ -166,6 +166,12 @@ def main() -> int:
             "down": sum(getattr(m, "gemv_down", False) for m in mods),
             "lm_head": csm.gemv_lm_head, "projector": csm.gemv_projector, "codebook_heads": csm.gemv_codebooks}
         log(f"ours ({tag}): GEMV chosen for {res[f'ours_{tag}_gemv_choices']}")
+        if csm.depth.stack_cuda:  # the CUDA stack's settings (REALTIME_STACK_INFLIGHT, REALTIME_STACK_L2_KEEP)
+            from realtime.kernels import decode_stack_cuda as dsc
+
+            res[f"ours_{tag}_stack"] = {"inflight": dsc.INFLIGHT, "l2_keep": csm.depth.stack.l2_keep,
+                                        "l2_set_aside_bytes": csm.l2_kept}
+            log(f"ours ({tag}): CUDA stack {res[f'ours_{tag}_stack']}")
         if "weight_bytes_per_frame" not in res:
             def nbytes(m) -> int:  # noqa: ANN001
                 ps = [m] if isinstance(m, torch.nn.Parameter) else list(m.parameters())

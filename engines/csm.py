@@ -227,6 +227,7 @@ class CSM(nn.Module):
         # depth pass past the first is one kernel (the row gathered, the layers, the codebook head,
         # its code sampled).
         self.register_buffer("depth_inputs", None, persistent=False)
+        self.l2_kept = 0  # bytes of L2 set aside for the depth decoder's kept stages (_keep_depth_in_l2)
         self.gemv_lm_head = self.gemv_projector = self.gemv_codebooks = False
 
     # ------------------------------------------------------------------ properties
@@ -660,6 +661,23 @@ class CSM(nn.Module):
         self.gemv_codebooks = use_gemv(self.codebooks_head_t[0])
         if self.depth.stack_cuda:  # (bf16 on an sm_90 GPU: see decode_row_fused)
             self.depth_inputs = self.project_depth_inputs()
+            self._keep_depth_in_l2()
+
+    def _keep_depth_in_l2(self) -> None:
+        """With REALTIME_STACK_L2_KEEP=k: every k-th stage of the depth decoder's layers stays in
+        L2 across a frame's 31 passes (the persisting L2 set aside for about that many bytes), and
+        the backbone streams evict_first, so that its step does not push them out."""
+        from realtime.kernels import decode_stack_cuda as dsc
+
+        k = dsc.L2_KEEP
+        if k <= 0:
+            return
+        w = self.depth.stack
+        layers = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+        w.l2_keep = k
+        if self.backbone.stack is not None:
+            self.backbone.stack.l2_keep = -1
+        self.l2_kept = dsc.persist_l2(w.qkv.device, layers // k + layers // k // 8)
 
     @torch.no_grad()
     def project_depth_inputs(self) -> Tensor:

@@ -36,7 +36,7 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "head_chunks", "STATS", "STAT_NAMES"]
+           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
 _KEYS = 32  # keys an attention block (kKeys)
@@ -49,18 +49,29 @@ _ROPE_IT = 3  # kRopeIt: rotated (head, pair) items a consumer thread at most
 BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 
 
+def _count_env(name: str, default: int, zero: str) -> int:
+    """The count >= 0 in environment variable ``name`` (``default`` where unset or empty); a value
+    that is not a count fails with a message naming the variable (``zero``: what 0 means)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    check(raw.isascii() and raw.isdigit(), f"{name} must be a count >= 0 (0: {zero}), got {raw!r}")
+    return int(raw)
+
+
 def _inflight_env() -> int:
     """Weight copies in flight an SM at most (the ring's other stages hold landed bytes; see the
     .cu): 2, or REALTIME_STACK_INFLIGHT (0: the whole ring), for a GPU whose memory wants more in
     flight. H100: 916 us a 1B step at 2, 931 at 3, 946 at 4, 957 with the whole ring (same call)."""
-    raw = os.environ.get("REALTIME_STACK_INFLIGHT", "").strip()
-    if not raw:
-        return 2
-    check(raw.isascii() and raw.isdigit(), f"REALTIME_STACK_INFLIGHT must be a count >= 0 (0: the whole ring), got {raw!r}")
-    return int(raw)
+    return _count_env("REALTIME_STACK_INFLIGHT", 2, "the whole ring")
 
 
 INFLIGHT = _inflight_env()
+# REALTIME_STACK_L2_KEEP=k: the CSM engine keeps every k-th 16 KB stage of its depth decoder's
+# layers in L2 (evict_last, in the persisting L2 set aside for them) across the 31 passes of a
+# frame, and streams the rest and the backbone's evict_first (see Params::keep in the .cu). 0 (the
+# default, not yet measured on a GPU): no L2 hints.
+L2_KEEP = _count_env("REALTIME_STACK_L2_KEEP", 0, "no L2 hints")
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 # Every SM attends (to all kv heads, one split) where every_fits(), unless REALTIME_STACK_EVERY=0:
 # the heads' output then feeds the SM's own o rows, with no hand-over (see the .cu's attention())
@@ -159,7 +170,18 @@ def build(arch: str = "90") -> ctypes.CDLL:
     dll.realtime_stack_fixed_smem.argtypes = [ctypes.c_int] * 4
     dll.realtime_stack_blocks_per_sm.argtypes = [ctypes.c_int]
     dll.realtime_stack_error_string.restype = ctypes.c_char_p
+    dll.realtime_stack_persist_l2.argtypes = [ctypes.c_int, ctypes.c_longlong]
+    dll.realtime_stack_persist_l2.restype = ctypes.c_longlong
     return dll
+
+
+def persist_l2(device: torch.device, nbytes: int) -> int:
+    """Set aside up to ``nbytes`` of ``device``'s L2 for evict_last (persisting) lines, capped at
+    the GPU's most (a device-wide setting, for the stages a stack keeps: see ``L2_KEEP``); returns
+    the bytes set aside."""
+    got = build().realtime_stack_persist_l2(_index(device), int(nbytes))
+    check(got >= 0, f"setting the persisting L2 failed: {build().realtime_stack_error_string(int(-got)).decode()}")
+    return int(got)
 
 
 def default_splits(n_kv_heads: int, tmax: int, programs: int) -> int:
@@ -278,7 +300,8 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
                       mode: int = 0, inflight: int | None = None, balance: int = -1,
                       backoff: int | None = None, x_index: Tensor | None = None, x_offset: int = 0,
                       head: Tensor | None = None, sample: tuple | None = None,
-                      token: Tensor | None = None, every: bool | None = None) -> Tensor | tuple:
+                      token: Tensor | None = None, every: bool | None = None,
+                      keep: int | None = None) -> Tensor | tuple:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
@@ -289,7 +312,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     poll for another SM's rows sleeps before it polls again (default ``BACKOFF``). ``every``: every
     SM attends to all the heads and starts its o rows from them, one split (default: where
     ``every_fits`` and ``splits`` is None or 1, unless REALTIME_STACK_EVERY=0); False: the
-    attention items (kv head, split) hand the heads over to every SM.
+    attention items (kv head, split) hand the heads over to every SM. ``keep`` (default the
+    stack's ``l2_keep``): L2 hints on the weight copies, 0 none, k > 0 every k-th stage of the
+    layers evict_last and the rest evict_first, < 0 all evict_first (results are the same).
 
     ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
     step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
@@ -378,8 +403,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
     nap = BACKOFF if backoff is None else backoff
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
-    n = (ctypes.c_int * 16)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
-                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every))
+    kp = getattr(w, "l2_keep", 0) if keep is None else keep
+    n = (ctypes.c_int * 17)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
+                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

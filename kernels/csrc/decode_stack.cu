@@ -98,6 +98,10 @@ struct Params {
   int every;         // 1: every SM attends, to all kv heads (one split; see attention()), and starts its
                      // o rows from its own heads: no hand-over of the heads (0: the items of the header)
   int backoff;       // ns a poll sleeps after finding a word not yet written (0: none)
+  int keep;          // L2 hints on the weight copies: 0 none; k > 0 every k-th stage of the layers
+                     // evict_last (kept in L2 across steps: a stack stepped many times a frame, as
+                     // CSM's depth decoder), the rest evict_first; < 0 every stage evict_first (a
+                     // stack that must not push the kept stages out)
   // The step's input gathered in the kernel (an embedding row; null: x is the row): x is then a
   // table [xrows, DIM] and the input its row xidx[0] + xoff (clamped into the table)
   const int64_t* xidx;
@@ -168,6 +172,15 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// The same copy with an L2 eviction priority (a createpolicy value)
+__device__ __forceinline__ void bulk_copy_hint(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(pol)
       : "memory");
 }
 
@@ -413,6 +426,11 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
   Walk walk(p, rows);
   const __nv_bfloat16* src;
   uint32_t bytes;
+  uint64_t keep_pol = 0, pass_pol = 0;  // (Params::keep)
+  if (p.keep != 0) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_pol));
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pass_pol));
+  }
   while (walk.next(src, bytes)) {
     uint32_t t0 = now<kTimed>();
     if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
@@ -426,7 +444,12 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
     mbar_wait(&ring.empty[at.slot], at.par ^ 1);
     waited += now<kTimed>() - t0;
     mbar_expect_tx(&ring.full[at.slot], bytes);
-    bulk_copy(ring.buf + (size_t)at.slot * kStageElems, src, bytes, &ring.full[at.slot]);
+    if (p.keep == 0) {
+      bulk_copy(ring.buf + (size_t)at.slot * kStageElems, src, bytes, &ring.full[at.slot]);
+    } else {  // (the same stages every step: g counts from the step's first; the head's never kept)
+      const bool kept = p.keep > 0 && walk.l < p.L && g % (uint32_t)p.keep == 0;
+      bulk_copy_hint(ring.buf + (size_t)at.slot * kStageElems, src, bytes, &ring.full[at.slot], kept ? keep_pol : pass_pol);
+    }
     at.advance(ring.n);
     ++g;
   }
@@ -1476,7 +1499,7 @@ int realtime_stack_threads() { return kThreads; }
 // a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
 // whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0, lgout or 0), f: eps and qk_scale,
 // n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff, V,
-// nhead, every). Returns a cudaError_t.
+// nhead, every, keep). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -1529,6 +1552,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.V = n[13];
   p.nhead = n[14];
   p.every = n[15];
+  p.keep = n[16];
   p.s_temp = reinterpret_cast<const float*>(a[32]);
   p.s_topk = reinterpret_cast<const int64_t*>(a[33]);
   p.s_seed = reinterpret_cast<const int64_t*>(a[34]);
@@ -1565,6 +1589,22 @@ int realtime_stack_blocks_per_sm(int smem) {
   if (cudaFuncSetAttribute(stack_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return -1;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, stack_kernel<false>, kThreads, smem) != cudaSuccess) return -1;
   return nb;
+}
+
+// The L2 set aside for evict_last (persisting) lines on `device`: min(bytes, the GPU's most); returns
+// the bytes set, or -(cudaError_t) on an error.
+long long realtime_stack_persist_l2(int device, long long bytes) {
+  int most = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&most, cudaDevAttrMaxPersistingL2CacheSize, device);
+  if (e != cudaSuccess) return -(long long)e;
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess || (prev != device && cudaSetDevice(device) != cudaSuccess)) return -1;
+  const size_t want = (size_t)(bytes < most ? (bytes > 0 ? bytes : 0) : most);
+  e = cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, want);
+  size_t got = 0;
+  if (e == cudaSuccess) e = cudaDeviceGetLimit(&got, cudaLimitPersistingL2CacheSize);
+  if (prev != device) cudaSetDevice(prev);
+  return e == cudaSuccess ? (long long)got : -(long long)e;
 }
 
 const char* realtime_stack_error_string(int e) { return cudaGetErrorString(static_cast<cudaError_t>(e)); }

@@ -583,3 +583,14 @@ def test_fused_depth_passes_give_the_unfused_logits(monkeypatch):
             break
     assert int(fused_codes.min()) >= 0 and int(fused_codes.max()) < cfg.audio_vocab_size
     assert dsc.errors(model.depth.stack) == 0
+    # REALTIME_STACK_L2_KEEP: the depth decoder's kept stages, the backbone streamed evict_first;
+    # the hints change no result
+    monkeypatch.setattr(dsc, "L2_KEEP", 3)
+    model._keep_depth_in_l2()
+    try:
+        assert model.depth.stack.l2_keep == 3 and model.backbone.stack.l2_keep == -1 and model.l2_kept > 0
+        kept_codes, kept = frame()
+        assert torch.equal(kept_codes, fused_codes) and all(torch.equal(a, b) for a, b in zip(kept, fused))
+    finally:
+        model.depth.stack.l2_keep = model.backbone.stack.l2_keep = 0
+        dsc.persist_l2(torch.device("cuda"), 0)

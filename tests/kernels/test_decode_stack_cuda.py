@@ -127,17 +127,32 @@ def test_refuses_what_it_does_not_take() -> None:
         dsc.decode_stack_cuda(w, x, z, z, z, z, z, z)
 
 
-@pytest.mark.parametrize("value, want", [("", "2"), ("4", "4"), ("0", "0"), ("x", "must be a count"),
+@pytest.mark.parametrize("name, default", [("INFLIGHT", "2"), ("L2_KEEP", "0")])
+@pytest.mark.parametrize("value, want", [("", None), ("4", "4"), ("0", "0"), ("x", "must be a count"),
                                          ("-1", "must be a count")])
-def test_copies_in_flight_from_the_environment(value: str, want: str) -> None:
-    """REALTIME_STACK_INFLIGHT sets the default weight copies in flight an SM, read at import; a
-    value that is not a count fails the import with a message naming the variable."""
-    env = {**os.environ, "REALTIME_STACK_INFLIGHT": value}
-    res = subprocess.run([sys.executable, "-c", "from realtime.kernels import decode_stack_cuda as d; print(d.INFLIGHT)"],
+def test_stack_counts_from_the_environment(name: str, default: str, value: str, want: str | None) -> None:
+    """REALTIME_STACK_INFLIGHT (weight copies in flight an SM) and REALTIME_STACK_L2_KEEP (the
+    stages L2 keeps) are read at import; a value that is not a count fails the import with a
+    message naming the variable."""
+    want = default if want is None else want
+    env = {**os.environ, f"REALTIME_STACK_{name}": value}
+    res = subprocess.run([sys.executable, "-c", f"from realtime.kernels import decode_stack_cuda as d; print(d.{name})"],
                          capture_output=True, text=True, env=env, timeout=120)
     out = res.stdout.strip() if res.returncode == 0 else res.stderr
-    assert want in out, out[-400:]
+    assert (out == want) if want.isdigit() else (want in out and f"REALTIME_STACK_{name}" in out), out[-400:]
     assert (res.returncode == 0) == want.isdigit()
+
+
+@pytest.mark.gpu
+def test_persisting_l2_is_set_aside_up_to_the_gpus_most() -> None:
+    """persist_l2 sets aside what is asked, up to the GPU's most, and 0 gives it back."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    dev = torch.device("cuda")
+    most = dsc.persist_l2(dev, 1 << 40)
+    assert 0 < most <= torch.cuda.get_device_properties(dev).L2_cache_size
+    assert 0 < dsc.persist_l2(dev, most // 4) <= most // 4 + (1 << 20)  # (granularity)
+    assert dsc.persist_l2(dev, 0) == 0
 
 
 def _model(seed: int = 0, with_f32: bool = False, cfg: TransformerConfig = CFG):  # noqa: ANN202
@@ -236,11 +251,12 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
 @pytest.mark.gpu
 @pytest.mark.parametrize("settings", [
     dict(balance=0, inflight=1), dict(balance=80), dict(balance=300, inflight=0), dict(inflight=1),
-    dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40)], ids=repr)
+    dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40),
+    dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1)], ids=repr)
 def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: dict) -> None:
-    """Which SM computes a row, how many weight copies fly at once and how long a poll backs off
-    change nothing in a row's arithmetic: the step equals the default's bit for bit (output and
-    caches)."""
+    """Which SM computes a row, how many weight copies fly at once, how long a poll backs off and
+    which copies L2 keeps change nothing in a row's arithmetic: the step equals the default's bit
+    for bit (output and caches)."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
     model = _model(3)
