@@ -30,6 +30,7 @@ Dd depth width.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -44,6 +45,8 @@ from realtime.engines.transformer import (KVCache, Transformer, TransformerConfi
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 __all__ = ["CSMConfig", "CSMPrompt", "CSMBatchState", "CSM", "CSMStepGraphs", "CSMPrefillGraphs"]
+
+log = logging.getLogger(__name__)
 
 # Llama 3 special-token ids, used only when the checkpoint folder has no tokenizer.json.
 _LLAMA3_BEGIN_OF_TEXT = 128000
@@ -677,7 +680,11 @@ class CSM(nn.Module):
         w.l2_keep = k
         if self.backbone.stack is not None:
             self.backbone.stack.l2_keep = -1
-        self.l2_kept = dsc.persist_l2(w.qkv.device, layers // k + layers // k // 8)
+        try:
+            self.l2_kept = dsc.persist_l2(w.qkv.device, layers // k + layers // k // 8)
+        except RuntimeError as exc:  # (the hints still order L2's evictions, with no set-aside)
+            self.l2_kept = 0
+            log.warning("REALTIME_STACK_L2_KEEP=%d: no persisting L2 set aside (%s); the copies keep their hints", k, exc)
 
     @torch.no_grad()
     def project_depth_inputs(self) -> Tensor:

@@ -178,9 +178,10 @@ def build(arch: str = "90") -> ctypes.CDLL:
 def persist_l2(device: torch.device, nbytes: int) -> int:
     """Set aside up to ``nbytes`` of ``device``'s L2 for evict_last (persisting) lines, capped at
     the GPU's most (a device-wide setting, for the stages a stack keeps: see ``L2_KEEP``); returns
-    the bytes set aside."""
+    the bytes set aside. RuntimeError where the GPU or its runtime refuses it."""
     got = build().realtime_stack_persist_l2(_index(device), int(nbytes))
-    check(got >= 0, f"setting the persisting L2 failed: {build().realtime_stack_error_string(int(-got)).decode()}")
+    if got < 0:
+        raise RuntimeError(f"setting the persisting L2 failed: {build().realtime_stack_error_string(int(-got)).decode()}")
     return int(got)
 
 

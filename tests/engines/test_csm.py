@@ -594,3 +594,46 @@ def test_fused_depth_passes_give_the_unfused_logits(monkeypatch):
     finally:
         model.depth.stack.l2_keep = model.backbone.stack.l2_keep = 0
         dsc.persist_l2(torch.device("cuda"), 0)
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["set-aside", "refused"])
+def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refused: bool) -> None:
+    """REALTIME_STACK_L2_KEEP=k: the depth stack keeps 1 in k stages, the backbone streams
+    evict_first, and the persisting L2 asked for is 1.125 x the depth layers' bytes / k. Where
+    the runtime refuses the set-aside, the engine loads anyway with a warning (the hints stay)."""
+    import logging
+
+    from realtime.engines.csm import CSMConfig
+    from realtime.engines.transformer import TransformerConfig
+    from realtime.kernels import decode_stack_cuda as dsc
+    from realtime.kernels.decode_stack import stack_weights
+
+    widths = dict(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=128, max_seq_len=16)
+    cfg = CSMConfig(backbone=TransformerConfig(n_layers=1, **widths), depth=TransformerConfig(n_layers=3, **widths),
+                    num_codebooks=4, text_vocab_size=50)
+    model = CSM(cfg)
+    model.backbone.fuse_projections()
+    model.depth.fuse_projections()
+    model.backbone.stack, model.depth.stack = stack_weights(model.backbone), stack_weights(model.depth)
+    w = model.depth.stack
+    layers = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+    asked: list = []
+
+    def persist(device, nbytes):  # noqa: ANN001, ANN202
+        asked.append(nbytes)
+        if refused:
+            raise RuntimeError("operation not supported")
+        return nbytes
+
+    monkeypatch.setattr(dsc, "L2_KEEP", 4)
+    monkeypatch.setattr(dsc, "persist_l2", persist)
+    with caplog.at_level(logging.WARNING, logger="realtime.engines.csm"):
+        model._keep_depth_in_l2()
+    assert w.l2_keep == 4 and model.backbone.stack.l2_keep == -1
+    assert asked == [layers // 4 + layers // 4 // 8]
+    assert model.l2_kept == (0 if refused else asked[0])
+    assert ("no persisting L2 set aside" in caplog.text) == refused
+    monkeypatch.setattr(dsc, "L2_KEEP", 0)  # off: nothing asked, nothing marked
+    model.depth.stack.l2_keep = model.backbone.stack.l2_keep = 0
+    model._keep_depth_in_l2()
+    assert len(asked) == 1 and w.l2_keep == 0 and model.backbone.stack.l2_keep == 0
