@@ -423,7 +423,7 @@ def main() -> int:
     step_x = torch.randn(1, cfg.dim, device=dev, dtype=torch.bfloat16)
     pos = torch.full((1,), args.context, dtype=torch.long, device=dev)
     cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
-    weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+    weight_bytes = w.layer_bytes
     per_kind = [w.qkv[0], None, w.o[0], w.gate_up[0], w.down[0]]  # the bytes each phase kind reads a layer
     sms = ds.default_programs(dev)
     log(f"{args.shapes}: {cfg.n_layers} layers, {weight_bytes / 1e9:.3f} GB of layer weights, {sms} SMs, "

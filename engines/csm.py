@@ -676,7 +676,7 @@ class CSM(nn.Module):
         if k <= 0:
             return
         w = self.depth.stack
-        layers = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+        layers = w.layer_bytes
         w.l2_keep = k
         if self.backbone.stack is not None:
             self.backbone.stack.l2_keep = -1

@@ -747,6 +747,11 @@ class StackWeights:
     def head_dim(self) -> int:
         return self.qkv.shape[1] // (self.n_heads + 2 * self.n_kv_heads)
 
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of the layers' projection weights: what one step streams (norms aside)."""
+        return sum(t.numel() * t.element_size() for t in (self.qkv, self.o, self.gate_up, self.down))
+
 
 class _Scratch:
     """Per (device, programs): the kernel's scratch buffers and the barrier counter."""

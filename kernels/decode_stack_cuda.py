@@ -404,7 +404,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
     nap = BACKOFF if backoff is None else backoff
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
-    kp = getattr(w, "l2_keep", 0) if keep is None else keep
+    kp = w.l2_keep if keep is None else keep
     n = (ctypes.c_int * 17)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
                             nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp))
     stream = torch.cuda.current_stream(x.device).cuda_stream
