@@ -14,7 +14,8 @@
 # text, REALTIME_STACK_KERNEL=cuda: one-row steps, so batch 1); the served tts part keeps the layer path
 # (the stack's persistent kernel would wait on the codec's kernels beside it).
 # REALTIME_STACK_INFLIGHT (env, passed through) sets the stack's weight copies in flight an SM (default 2).
-# REALTIME_STACK_L2_KEEP (env, passed through): CSM keeps every k-th stage of its depth layers in L2 (default 0: off).
+# REALTIME_STACK_L2_KEEP (env, passed through): CSM keeps every k-th stage of its depth layers in L2, the
+# rest of the weights stream evict_first (default: auto, k from the GPU's L2; 0: no L2 hints).
 source bench/h200_run.sh "$0" "$@"
 parts="${PARTS:-csm tts text}"
 stack_env() {  # the variables that put engine $1 on the CUDA stack, or none

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -239,6 +240,8 @@ def main() -> int:
                      "torch": torch.__version__, "python": platform.python_version(), "commit": commit(), "rows": []}
     if device.type == "cuda":
         results["gpu"] = torch.cuda.get_device_name(device)
+        # the decode stack's switches (REALTIME_STACK, _KERNEL, _INFLIGHT, _L2_KEEP, ...) as run
+        results["stack_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("REALTIME_STACK")}
     bw = copy_bandwidth(device, 64 if cpu_run else 2048)
     results["copy_bandwidth_GBps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.1f} GB/s")

@@ -667,24 +667,34 @@ class CSM(nn.Module):
             self._keep_depth_in_l2()
 
     def _keep_depth_in_l2(self) -> None:
-        """With REALTIME_STACK_L2_KEEP=k: every k-th stage of the depth decoder's layers stays in
-        L2 across a frame's 31 passes (the persisting L2 set aside for about that many bytes), and
-        the backbone streams evict_first, so that its step does not push them out."""
+        """Every k-th stage of the depth decoder's layers stays in L2 across a frame's 31 passes
+        (evict_last, the persisting L2 set aside for about that many bytes), and the backbone
+        streams evict_first, so that its step does not push them out. k: REALTIME_STACK_L2_KEEP,
+        or ``auto_l2_keep`` for this GPU where unset; 0: no L2 hints (nothing set aside)."""
         from realtime.kernels import decode_stack_cuda as dsc
 
-        k = dsc.L2_KEEP
-        if k <= 0:
-            return
         w = self.depth.stack
+        k = dsc.L2_KEEP
+        if k == 0:
+            w.l2_keep = 0
+            if self.backbone.stack is not None:
+                self.backbone.stack.l2_keep = 0
+            return
         layers = w.layer_bytes
-        w.l2_keep = k
-        if self.backbone.stack is not None:
-            self.backbone.stack.l2_keep = -1
         try:
-            self.l2_kept = dsc.persist_l2(w.qkv.device, layers // k + layers // k // 8)
+            if k is None:
+                l2, most = dsc.l2_sizes(w.qkv.device)
+                k = dsc.auto_l2_keep(layers, l2, most)
+            w.l2_keep = k
+            if self.backbone.stack is not None:
+                self.backbone.stack.l2_keep = -1
+            self.l2_kept = dsc.persist_l2(w.qkv.device, dsc.keep_set_aside(layers, k))
         except RuntimeError as exc:  # (the hints still order L2's evictions, with no set-aside)
             self.l2_kept = 0
-            log.warning("REALTIME_STACK_L2_KEEP=%d: no persisting L2 set aside (%s); the copies keep their hints", k, exc)
+            if w.l2_keep is None:
+                w.l2_keep = -1
+            log.warning("REALTIME_STACK_L2_KEEP=%s: no persisting L2 set aside (%s); the copies keep their hints",
+                        dsc.L2_KEEP if dsc.L2_KEEP is not None else "auto", exc)
 
     @torch.no_grad()
     def project_depth_inputs(self) -> Tensor:

@@ -741,7 +741,8 @@ class StackWeights:
     n_kv_heads: int
     eps: float
     scratch: dict = field(default_factory=dict)  # per (programs, splits): the kernel's ``_Scratch``
-    l2_keep: int = 0  # the CUDA stack's L2 hints for these weights (decode_stack_cuda's ``keep``)
+    # the CUDA stack's L2 hints for these weights (decode_stack_cuda's ``keep``; None: its default)
+    l2_keep: int | None = None
 
     @property
     def head_dim(self) -> int:

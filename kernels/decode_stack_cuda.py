@@ -36,7 +36,8 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP"]
+           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP",
+           "auto_l2_keep", "keep_set_aside", "l2_sizes"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
 _KEYS = 32  # keys an attention block (kKeys)
@@ -67,11 +68,39 @@ def _inflight_env() -> int:
 
 
 INFLIGHT = _inflight_env()
-# REALTIME_STACK_L2_KEEP=k: the CSM engine keeps every k-th 16 KB stage of its depth decoder's
-# layers in L2 (evict_last, in the persisting L2 set aside for them) across the 31 passes of a
-# frame, and streams the rest and the backbone's evict_first (see Params::keep in the .cu). 0 (the
-# default, not yet measured on a GPU): no L2 hints.
-L2_KEEP = _count_env("REALTIME_STACK_L2_KEEP", 0, "no L2 hints")
+# L2 hints on the weight copies (Params::keep in the .cu; they change no result). By default every
+# stack streams its weights evict_first, so that a step's stream does not push the KV cache and
+# the hand-overs out of L2, and the CSM engine keeps every k-th 16 KB stage of its depth decoder's
+# layers in L2 (evict_last, in a persisting L2 set aside for them) across a frame's 31 passes,
+# k from ``auto_l2_keep``. REALTIME_STACK_L2_KEEP=k sets k; 0: no hints at all; unset or "auto":
+# the default. H100 (2026-12-07, same call): CSM 192.9 -> 198.2 frames/s (k = 12, the auto k),
+# 196.7 with every stage evict_first; text 977 -> 988 tok/s evict_first.
+def _l2_keep_env() -> int | None:
+    raw = os.environ.get("REALTIME_STACK_L2_KEEP", "").strip().lower()
+    return None if raw in ("", "auto") else _count_env("REALTIME_STACK_L2_KEEP", 0, "no L2 hints; auto: the default")
+
+
+L2_KEEP = _l2_keep_env()
+# The most of L2 that the kept stages take: on an H100 (50 MiB L2, 32.8 MB persisting at most)
+# k = 7, 8, 10, 12, 16 gave 197.3, 196.9, 198.7, 198.8, 197.7 frames/s (19 % to 53 % of L2 kept)
+L2_KEEP_SHARE = 0.36
+
+
+def auto_l2_keep(layer_bytes: int, l2_bytes: int, most: int) -> int:
+    """The k of ``L2_KEEP`` for a stack of ``layer_bytes`` on a GPU of ``l2_bytes`` of L2, of
+    which ``most`` can be set aside as persisting: the smallest k whose kept bytes
+    (``layer_bytes / k``) take at most ``L2_KEEP_SHARE`` of L2 and whose set-aside (1.125 x the
+    kept bytes, see ``keep_set_aside``) fits in ``most``."""
+    check(layer_bytes > 0 and l2_bytes > 0 and most > 0, "auto_l2_keep needs sizes > 0")
+    return max(1, math.ceil(layer_bytes / (L2_KEEP_SHARE * l2_bytes)), math.ceil(keep_set_aside(layer_bytes, 1) / most))
+
+
+def keep_set_aside(layer_bytes: int, k: int) -> int:
+    """The persisting L2 asked for where every k-th stage of ``layer_bytes`` is kept: the kept
+    bytes and an eighth (the lines of a set-aside are not all usable by one stream)."""
+    return layer_bytes // k + layer_bytes // k // 8
+
+
 MAX_SPLITS = 12  # kMaxSplits (the merge keeps a split's partial in registers)
 # Every SM attends (to all kv heads, one split) where every_fits(), unless REALTIME_STACK_EVERY=0:
 # the heads' output then feeds the SM's own o rows, with no hand-over (see the .cu's attention())
@@ -183,6 +212,15 @@ def persist_l2(device: torch.device, nbytes: int) -> int:
     if got < 0:
         raise RuntimeError(f"setting the persisting L2 failed: {build().realtime_stack_error_string(int(-got)).decode()}")
     return int(got)
+
+
+def l2_sizes(device: torch.device) -> tuple[int, int]:
+    """(L2 bytes, the most of them that can be set aside as persisting) of ``device``; leaves the
+    set-aside at its most (the caller sets what it wants). RuntimeError where none can be set aside."""
+    most = persist_l2(device, 1 << 40)
+    if most <= 0:
+        raise RuntimeError("this GPU sets no L2 aside as persisting")
+    return torch.cuda.get_device_properties(device).L2_cache_size, most
 
 
 def default_splits(n_kv_heads: int, tmax: int, programs: int) -> int:
@@ -404,7 +442,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
     nap = BACKOFF if backoff is None else backoff
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
-    kp = w.l2_keep if keep is None else keep
+    kp = keep if keep is not None else w.l2_keep if w.l2_keep is not None else (0 if L2_KEEP == 0 else -1)
     n = (ctypes.c_int * 17)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
                             nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp))
     stream = torch.cuda.current_stream(x.device).cuda_stream

@@ -583,24 +583,26 @@ def test_fused_depth_passes_give_the_unfused_logits(monkeypatch):
             break
     assert int(fused_codes.min()) >= 0 and int(fused_codes.max()) < cfg.audio_vocab_size
     assert dsc.errors(model.depth.stack) == 0
-    # REALTIME_STACK_L2_KEEP: the depth decoder's kept stages, the backbone streamed evict_first;
-    # the hints change no result
-    monkeypatch.setattr(dsc, "L2_KEEP", 3)
-    model._keep_depth_in_l2()
+    # L2 hints (REALTIME_STACK_L2_KEEP: by default auto, as this frame ran; 3; 0, none): they
+    # change no result
+    assert model.depth.stack.l2_keep > 0 and model.backbone.stack.l2_keep == -1 and model.l2_kept > 0
     try:
-        assert model.depth.stack.l2_keep == 3 and model.backbone.stack.l2_keep == -1 and model.l2_kept > 0
-        kept_codes, kept = frame()
-        assert torch.equal(kept_codes, fused_codes) and all(torch.equal(a, b) for a, b in zip(kept, fused))
+        for keep in (3, 0):
+            monkeypatch.setattr(dsc, "L2_KEEP", keep)
+            model._keep_depth_in_l2()
+            assert model.depth.stack.l2_keep == keep and model.backbone.stack.l2_keep == (-1 if keep else 0)
+            kept_codes, kept = frame()
+            assert torch.equal(kept_codes, fused_codes) and all(torch.equal(a, b) for a, b in zip(kept, fused))
     finally:
-        model.depth.stack.l2_keep = model.backbone.stack.l2_keep = 0
         dsc.persist_l2(torch.device("cuda"), 0)
 
 
 @pytest.mark.parametrize("refused", [False, True], ids=["set-aside", "refused"])
 def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refused: bool) -> None:
     """REALTIME_STACK_L2_KEEP=k: the depth stack keeps 1 in k stages, the backbone streams
-    evict_first, and the persisting L2 asked for is 1.125 x the depth layers' bytes / k. Where
-    the runtime refuses the set-aside, the engine loads anyway with a warning (the hints stay)."""
+    evict_first, and the persisting L2 asked for is 1.125 x the depth layers' bytes / k; unset,
+    k comes from the GPU's L2 (auto_l2_keep); 0: no hints, nothing asked. Where the runtime
+    refuses the set-aside, the engine loads anyway with a warning (the hints stay)."""
     import logging
 
     from realtime.engines.csm import CSMConfig
@@ -617,6 +619,7 @@ def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refuse
     model.backbone.stack, model.depth.stack = stack_weights(model.backbone), stack_weights(model.depth)
     w = model.depth.stack
     layers = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+    assert w.l2_keep is None and model.backbone.stack.l2_keep is None  # (the launch's default)
     asked: list = []
 
     def persist(device, nbytes):  # noqa: ANN001, ANN202
@@ -625,15 +628,20 @@ def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refuse
             raise RuntimeError("operation not supported")
         return nbytes
 
-    monkeypatch.setattr(dsc, "L2_KEEP", 4)
+    def sizes(device):  # noqa: ANN001, ANN202  (an L2 that holds a third of the layers, twice that set aside)
+        return int(layers / 3 / dsc.L2_KEEP_SHARE), 2 * layers // 3
+
     monkeypatch.setattr(dsc, "persist_l2", persist)
-    with caplog.at_level(logging.WARNING, logger="realtime.engines.csm"):
-        model._keep_depth_in_l2()
-    assert w.l2_keep == 4 and model.backbone.stack.l2_keep == -1
-    assert asked == [layers // 4 + layers // 4 // 8]
-    assert model.l2_kept == (0 if refused else asked[0])
-    assert ("no persisting L2 set aside" in caplog.text) == refused
-    monkeypatch.setattr(dsc, "L2_KEEP", 0)  # off: nothing asked, nothing marked
-    model.depth.stack.l2_keep = model.backbone.stack.l2_keep = 0
+    monkeypatch.setattr(dsc, "l2_sizes", sizes)
+    for keep, k in ((4, 4), (None, 3)):
+        monkeypatch.setattr(dsc, "L2_KEEP", keep)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="realtime.engines.csm"):
+            model._keep_depth_in_l2()
+        assert w.l2_keep == k and model.backbone.stack.l2_keep == -1
+        assert asked[-1] == layers // k + layers // k // 8 == dsc.keep_set_aside(layers, k)
+        assert model.l2_kept == (0 if refused else asked[-1])
+        assert ("no persisting L2 set aside" in caplog.text) == refused
+    monkeypatch.setattr(dsc, "L2_KEEP", 0)  # off: nothing asked, no hints on either stack
     model._keep_depth_in_l2()
-    assert len(asked) == 1 and w.l2_keep == 0 and model.backbone.stack.l2_keep == 0
+    assert len(asked) == 2 and w.l2_keep == 0 and model.backbone.stack.l2_keep == 0
