@@ -75,7 +75,10 @@ def test_net_equals_onnx_graph_batched():
     with torch.no_grad():
         p, s = net(torch.from_numpy(x), torch.from_numpy(state))
     np.testing.assert_allclose(p.numpy(), ref_p[:, 0], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(s.numpy(), ref_s, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(s.numpy()[:, 1:], ref_s[:, 1:], atol=1e-5, rtol=0)
+    # The silent window (row 0) is ill-conditioned: on an AVX2-only CPU (2026-12-07) ours and the
+    # ONNX graph's states both differ from the float64 result, by 2.7e-5 and 1.7e-5 at most.
+    np.testing.assert_allclose(s.numpy()[:, :1], ref_s[:, :1], atol=1e-4, rtol=0)
 
 
 def test_speech_detected_silence_and_noise_not(vad):
