@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -594,3 +595,21 @@ def test_unknown_stack_kernel_is_refused_at_import() -> None:
                          text=True)
     assert res.returncode != 0
     assert "REALTIME_STACK_KERNEL must be triton or cuda, got 'cutlass'" in res.stderr
+
+
+def test_stack_ab_reads_settings_and_plots_recorded_runs(tmp_path) -> None:
+    """bench/stack_ab.py: a setting that is not KEEP:INFLIGHT[:BACKBONE] is refused by name; a
+    recorded run is plotted (a bar a setting), with no GPU."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "stack_ab.py"
+    res = subprocess.run([sys.executable, str(script), "csm", "--settings", "12:2", "3:x"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "KEEP:INFLIGHT[:BACKBONE]" in res.stderr and "'3:x'" in res.stderr
+    rows = [{"keep": k, "inflight": 2, "backbone_keep": -1 if k else 0, "frames_per_s": f} for k, f in
+            ((0, 192.9), (12, 198.2), (0, 192.4), (12, 198.1), (-1, 196.7))]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"part": "csm", "gpu": "a GPU", "rows": rows}))
+    png = tmp_path / "ab.png"
+    res = subprocess.run([sys.executable, str(script), "--from-json", str(run), "--plot", str(png)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-400:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

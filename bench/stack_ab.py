@@ -1,0 +1,226 @@
+"""The CUDA decode stack's L2 hints and copies in flight, A/B in one process: the engine is loaded
+once, and each setting is captured again and timed, in the order given (alternate them: a GPU
+drifts by ~1 % over a minute). CSM-1B (random weights, /tmp/csm1b as bench/csm_engine.py builds
+it) at batch 1, sampled, or text decode at Llama-3.2-1B shapes, batch 1, greedy.
+
+  REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2 12:2 0:2 12:2
+  REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings 0:2 -1:2 0:2 -1:2
+
+A setting is KEEP:INFLIGHT[:BACKBONE]. KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
+every k-th stage kept in a persisting L2 set aside for it, -1: every stage evict_first, 0: no
+hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
+backbone's ``l2_keep`` (default: -1 where KEEP is not 0). Every CSM setting's first frames are
+checked against the first setting's codes (the hints change no result). Prints a table, writes
+JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots recorded runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_setting(text: str) -> tuple[int | None, int, int | None]:
+    """KEEP:INFLIGHT[:BACKBONE] -> (keep, inflight, backbone); KEEP "auto" (None): the engine's k."""
+    parts = text.split(":")
+    ok = 2 <= len(parts) <= 3 and all(p.lstrip("-").isdigit() for p in parts[1:])
+    ok = ok and (parts[0] == "auto" or parts[0].lstrip("-").isdigit())
+    if not ok or int(parts[1]) < 0:
+        raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE] (integers, KEEP may be auto, "
+                                         f"INFLIGHT >= 0), got {text!r}")
+    return (None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None
+
+
+def run_csm(args, res: dict) -> None:  # noqa: ANN001
+    import torch
+
+    import csm_engine as ce
+    from realtime.engines.transformer import use_kernels
+    from realtime.kernels import decode_stack_cuda as dsc
+    from realtime.tts_csm import CSMBackend
+
+    folder = Path(args.folder)
+    ce.build(folder)
+    use_kernels(True)
+    t0 = time.perf_counter()
+    b = CSMBackend(str(folder), "cuda", "cuda", torch.bfloat16, n_slots=1, max_seq_len=1024, cuda_graphs=True)
+    b.capture_graphs()
+    log(f"CSM loaded and captured in {time.perf_counter() - t0:.1f}s")
+    csm = b.csm
+    if not csm.depth.stack_cuda:
+        raise SystemExit("the CUDA stack is off: set REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda")
+    w, dev = csm.depth.stack, torch.device("cuda")
+    layers = w.layer_bytes
+    l2, most = dsc.l2_sizes(dev)
+    res.update(depth_layer_bytes=layers, l2_bytes=l2, persist_most=most, auto_keep=dsc.auto_l2_keep(layers, l2, most),
+               engine_default_keep=w.l2_keep)
+    log(f"L2 {l2 / 1e6:.1f} MB, persisting at most {most / 1e6:.1f} MB; depth layers {layers / 1e6:.1f} MB; "
+        f"auto k {res['auto_keep']}")
+    text = "Hello there, how are you today?"
+    slots = torch.arange(1)
+    temp, top_k, seeds = torch.full((1,), 0.9), torch.full((1,), 50, dtype=torch.long), torch.arange(1)
+
+    def restart() -> None:
+        b.state.reset([0])
+        csm.prefill(b.state, 0, csm.build_prompt(text, 0))
+
+    def frames(n: int = 16) -> None:
+        for _ in range(n):
+            b.frame_step(slots, temp, top_k, seeds)
+
+    first = None
+    for keep, inflight, backbone in args.settings:
+        keep = res["auto_keep"] if keep is None else keep
+        w.l2_keep = keep
+        csm.backbone.stack.l2_keep = backbone if backbone is not None else (-1 if keep else 0)
+        set_aside = dsc.persist_l2(dev, dsc.keep_set_aside(layers, keep) if keep > 0 else 0)
+        dsc.INFLIGHT = inflight
+        b.step_graphs = csm.capture_step(b.state, sizes=[1])  # the hints and the count are in the launch
+        restart()
+        codes = torch.stack([b.frame_step(slots, temp, top_k, seeds) for _ in range(6)])
+        first = codes if first is None else first
+        restart()
+        frames(4)
+        ts = ce.cuda_time(frames, args.repeats)
+        row = {"keep": keep, "inflight": inflight, "backbone_keep": csm.backbone.stack.l2_keep, "set_aside": set_aside,
+               "frames_per_s": 16 / statistics.median(ts), "frames_per_s_each": [16 / t for t in ts],
+               "same_codes": bool(torch.equal(codes, first)), "poll_errors": dsc.errors(w)}
+        res["rows"].append(row)
+        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, set aside {set_aside / 1e6:5.1f} MB:"
+            f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
+            f" same codes {row['same_codes']}")
+    dsc.persist_l2(dev, 0)
+
+
+def run_text(args, res: dict) -> None:  # noqa: ANN001
+    import tempfile
+
+    import torch
+
+    import text as tb
+    from realtime.engines.llama import TextModel
+    from realtime.kernels import decode_stack_cuda as dsc
+
+    dev = torch.device("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama"
+        t0 = time.perf_counter()
+        tb.build_checkpoint(tb.LLAMA_3_2_1B, folder, torch.bfloat16, dev)
+        model = TextModel.from_pretrained(folder, device=dev, dtype=torch.bfloat16)
+        log(f"Llama-3.2-1B shapes built and loaded in {time.perf_counter() - t0:.1f}s")
+        if model.transformer.stack is None:
+            raise SystemExit("the CUDA stack is off: set REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda")
+        first = None
+        for keep, inflight, _ in args.settings:
+            keep = -1 if keep is None else keep  # (auto: the text stack's default, evict_first)
+            dsc.INFLIGHT = inflight
+            model.transformer.stack.l2_keep = keep
+            row = {"keep": keep, "inflight": inflight}
+            for pipelined in (False, True):  # each builds its decoder, and so captures its graphs
+                tps, toks = tb.ours_tokens_per_s(model, 1, 128, args.steps, True, 0.0, 128 + args.steps + 8, None,
+                                                 pipelined)
+                row["pipelined_tok_s" if pipelined else "graph_tok_s"] = tps
+                first = toks if first is None else first
+                row["same_tokens" if not pipelined else "same_tokens_pipelined"] = toks == first
+            res["rows"].append(row)
+            log(f"keep {keep:3d}, {inflight} in flight: {row['graph_tok_s']:6.0f} tok/s read each step, "
+                f"{row['pipelined_tok_s']:6.0f} pipelined, same tokens {row['same_tokens'] and row['same_tokens_pipelined']}")
+
+
+def label(row: dict) -> str:
+    k, bb = row["keep"], row.get("backbone_keep")
+    name = "no hints" if k == 0 else "all\nevict_first" if k < 0 else f"keep 1/{k}"
+    if row["inflight"] != 2:
+        name += f"\n{row['inflight']} in flight"
+    if bb is not None and bb != (-1 if k else 0):
+        name += "\nbackbone " + ("no hints" if bb == 0 else "evict_first")
+    return name
+
+
+def _order(row: dict) -> tuple:
+    k, bb = row["keep"], row.get("backbone_keep")
+    return row["inflight"], 0 if k == 0 else 1 if k < 0 else 2, -k, bb is not None and bb != (-1 if k else 0)
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
+    for ax, res in zip(axes[0], runs):
+        csm = res["part"] == "csm"
+        key = "frames_per_s" if csm else "graph_tok_s"
+        groups: dict[str, list[float]] = {}
+        for row in sorted(res["rows"], key=_order):
+            groups.setdefault(label(row), []).append(row[key])
+        names = list(groups)
+        means = [statistics.mean(v) for v in groups.values()]
+        ax.bar(range(len(names)), means, color=["#888" if n == "no hints" else "#3a7" for n in names])
+        for i, v in enumerate(groups.values()):
+            ax.plot([i] * len(v), v, "k.", ms=4)
+        ax.set_xticks(range(len(names)), names, fontsize=7)
+        lo = min(min(v) for v in groups.values())
+        ax.set_ylim(lo * 0.97, max(max(v) for v in groups.values()) * 1.01)
+        ax.set_ylabel("frames/s, batch 1" if csm else "tok/s, batch 1, read each step")
+        ax.set_title(f"{'CSM-1B' if csm else 'text, Llama-3.2-1B shapes'} ({res['gpu']}): L2 hints", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", nargs="?", choices=["csm", "text"])
+    ap.add_argument("--settings", type=parse_setting, nargs="+", default=None,
+                    help="KEEP:INFLIGHT[:BACKBONE] ... (default: 0:2 auto:2 0:2 auto:2, off and the default, alternating)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs of 16 frames a CSM setting (median)")
+    ap.add_argument("--steps", type=int, default=256, help="timed decode steps a text setting")
+    ap.add_argument("--folder", default="/tmp/csm1b")
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/stack_ab_<part>.json)")
+    ap.add_argument("--plot", default=None, help="PNG: a bar a setting (the runs' dots over it)")
+    ap.add_argument("--from-json", nargs="+", default=None, help="plot these recorded runs, run nothing")
+    args = ap.parse_args()
+    if args.from_json:
+        if not args.plot:
+            ap.error("--from-json needs --plot")
+        plot([json.loads(Path(p).read_text()) for p in args.from_json], args.plot)
+        return 0
+    if not args.part:
+        ap.error("name the part: csm or text")
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (sm_90 with nvcc: the CUDA stack)")
+    sys.path.insert(0, str(ROOT))
+    from _common import commit
+
+    from realtime.kernels import decode_stack_cuda as dsc
+
+    if args.settings is None:  # off and the default, alternating
+        args.settings = [(0, 2, None), (None, 2, None)] * 2
+    res = {"part": args.part, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit(),
+           "date": time.strftime("%Y-%m-%d"), "inflight_default": dsc.INFLIGHT, "rows": []}
+    (run_csm if args.part == "csm" else run_text)(args, res)
+    out = Path(args.out or ROOT / "bench" / "results" / f"stack_ab_{args.part}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    log(f"wrote {out}")
+    if args.plot:
+        plot([res], args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
