@@ -8,6 +8,8 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
+# the CPU suite's pytest-xdist workers (a test file stays on one worker: its servers start once)
+TEST_WORKERS ?= 2
 
 .PHONY: serve test install install-dev browser clean
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
@@ -36,7 +38,7 @@ serve: install
 	$(VENV)/bin/realtime serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install-dev browser
-	$(PY) -m pytest -q -m "not gpu" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" $(ARGS)
 
 clean:
 	rm -rf $(VENV)

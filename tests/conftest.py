@@ -12,8 +12,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Two cores in CI; tests are sized for that. Keep torch from oversubscribing.
-torch.set_num_threads(int(os.environ.get("REALTIME_TEST_THREADS", "2")))
+# Two cores in CI; tests are sized for that. Keep torch from oversubscribing: under pytest-xdist
+# (`make test` runs two workers) each worker gets one thread.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(int(os.environ.get("REALTIME_TEST_THREADS", "1" if _WORKER else "2")))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
