@@ -203,8 +203,7 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (sm_90 with nvcc: the CUDA stack)")
-    sys.path.insert(0, str(ROOT))
-    from _common import commit
+    from _common import commit  # bench/ is on sys.path when a script runs
 
     from realtime.kernels import decode_stack_cuda as dsc
 

@@ -352,8 +352,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     SM attends to all the heads and starts its o rows from them, one split (default: where
     ``every_fits`` and ``splits`` is None or 1, unless REALTIME_STACK_EVERY=0); False: the
     attention items (kv head, split) hand the heads over to every SM. ``keep`` (default the
-    stack's ``l2_keep``): L2 hints on the weight copies, 0 none, k > 0 every k-th stage of the
-    layers evict_last and the rest evict_first, < 0 all evict_first (results are the same).
+    stack's ``l2_keep``; where that is None, -1, or 0 with REALTIME_STACK_L2_KEEP=0): L2 hints on
+    the weight copies, 0 none, k > 0 every k-th stage of the layers evict_last and the rest
+    evict_first, < 0 all evict_first (results are the same).
 
     ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
     step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
