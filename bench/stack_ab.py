@@ -6,7 +6,7 @@ it) at batch 1, sampled, or text decode at Llama-3.2-1B shapes, batch 1, greedy.
   REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2 12:2 0:2 12:2
   REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings 0:2 -1:2 0:2 -1:2
 
-A setting is KEEP:INFLIGHT[:BACKBONE]. KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
+A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD]. KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
 every k-th stage kept in a persisting L2 set aside for it, -1: every stage evict_first, 0: no
 hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
 backbone's ``l2_keep`` (default: -1 where KEEP is not 0). Every CSM setting's first frames are
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -30,15 +31,20 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def parse_setting(text: str) -> tuple[int | None, int, int | None]:
-    """KEEP:INFLIGHT[:BACKBONE] -> (keep, inflight, backbone); KEEP "auto" (None): the engine's k."""
+def parse_setting(text: str) -> tuple[int | None, int, int | None, int]:
+    """KEEP:INFLIGHT[:BACKBONE][@AHEAD] -> (keep, inflight, backbone, ahead); KEEP "auto" (None):
+    the engine's k; AHEAD (default 0): stages prefetched into L2 past a full ring."""
+    text, _, ahead = text.strip().partition("@")
+    if ahead and not ahead.isdigit():
+        raise argparse.ArgumentTypeError(f"AHEAD (after @) is a count of stages, got {ahead!r}")
     parts = text.split(":")
     ok = 2 <= len(parts) <= 3 and all(p.lstrip("-").isdigit() for p in parts[1:])
     ok = ok and (parts[0] == "auto" or parts[0].lstrip("-").isdigit())
     if not ok or int(parts[1]) < 0:
         raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE] (integers, KEEP may be auto, "
                                          f"INFLIGHT >= 0), got {text!r}")
-    return (None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None
+    return ((None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None,
+            int(ahead or 0))
 
 
 def run_csm(args, res: dict) -> None:  # noqa: ANN001
@@ -79,12 +85,12 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
             b.frame_step(slots, temp, top_k, seeds)
 
     first = None
-    for keep, inflight, backbone in args.settings:
+    for keep, inflight, backbone, ahead in args.settings:
         keep = res["auto_keep"] if keep is None else keep
         w.l2_keep = keep
         csm.backbone.stack.l2_keep = backbone if backbone is not None else (-1 if keep else 0)
         set_aside = dsc.persist_l2(dev, dsc.keep_set_aside(layers, keep) if keep > 0 else 0)
-        dsc.INFLIGHT = inflight
+        dsc.INFLIGHT, dsc.L2_AHEAD = inflight, ahead
         b.step_graphs = csm.capture_step(b.state, sizes=[1])  # the hints and the count are in the launch
         restart()
         codes = torch.stack([b.frame_step(slots, temp, top_k, seeds) for _ in range(6)])
@@ -92,11 +98,11 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
         restart()
         frames(4)
         ts = ce.cuda_time(frames, args.repeats)
-        row = {"keep": keep, "inflight": inflight, "backbone_keep": csm.backbone.stack.l2_keep, "set_aside": set_aside,
+        row = {"keep": keep, "inflight": inflight, "ahead": ahead, "backbone_keep": csm.backbone.stack.l2_keep, "set_aside": set_aside,
                "frames_per_s": 16 / statistics.median(ts), "frames_per_s_each": [16 / t for t in ts],
                "same_codes": bool(torch.equal(codes, first)), "poll_errors": dsc.errors(w)}
         res["rows"].append(row)
-        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, set aside {set_aside / 1e6:5.1f} MB:"
+        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, {ahead} ahead, set aside {set_aside / 1e6:5.1f} MB:"
             f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
             f" same codes {row['same_codes']}")
     dsc.persist_l2(dev, 0)
@@ -121,11 +127,11 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
         if model.transformer.stack is None:
             raise SystemExit("the CUDA stack is off: set REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda")
         first = None
-        for keep, inflight, _ in args.settings:
+        for keep, inflight, _, ahead in args.settings:
             keep = -1 if keep is None else keep  # (auto: the text stack's default, evict_first)
-            dsc.INFLIGHT = inflight
+            dsc.INFLIGHT, dsc.L2_AHEAD = inflight, ahead
             model.transformer.stack.l2_keep = keep
-            row = {"keep": keep, "inflight": inflight}
+            row = {"keep": keep, "inflight": inflight, "ahead": ahead}
             for pipelined in (False, True):  # each builds its decoder, and so captures its graphs
                 tps, toks = tb.ours_tokens_per_s(model, 1, 128, args.steps, True, 0.0, 128 + args.steps + 8, None,
                                                  pipelined)
@@ -133,7 +139,7 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
                 first = toks if first is None else first
                 row["same_tokens" if not pipelined else "same_tokens_pipelined"] = toks == first
             res["rows"].append(row)
-            log(f"keep {keep:3d}, {inflight} in flight: {row['graph_tok_s']:6.0f} tok/s read each step, "
+            log(f"keep {keep:3d}, {inflight} in flight, {ahead} ahead: {row['graph_tok_s']:6.0f} tok/s read each step, "
                 f"{row['pipelined_tok_s']:6.0f} pipelined, same tokens {row['same_tokens'] and row['same_tokens_pipelined']}")
 
 
@@ -142,6 +148,8 @@ def label(row: dict) -> str:
     name = "no hints" if k == 0 else "all\nevict_first" if k < 0 else f"keep 1/{k}"
     if row["inflight"] != 2:
         name += f"\n{row['inflight']} in flight"
+    if row.get("ahead"):
+        name += f"\n{row['ahead']} ahead"
     if bb is not None and bb != (-1 if k else 0):
         name += "\nbackbone " + ("no hints" if bb == 0 else "evict_first")
     return name
@@ -149,7 +157,7 @@ def label(row: dict) -> str:
 
 def _order(row: dict) -> tuple:
     k, bb = row["keep"], row.get("backbone_keep")
-    return row["inflight"], 0 if k == 0 else 1 if k < 0 else 2, -k, bb is not None and bb != (-1 if k else 0)
+    return row["inflight"], row.get("ahead", 0), 0 if k == 0 else 1 if k < 0 else 2, -k, bb is not None and bb != (-1 if k else 0)
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -184,14 +192,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=["csm", "text"])
     ap.add_argument("--settings", type=parse_setting, nargs="+", default=None,
-                    help="KEEP:INFLIGHT[:BACKBONE] ... (default: 0:2 auto:2 0:2 auto:2, off and the default, alternating)")
+                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD] ... (default: 0:2 auto:2 0:2 auto:2, off and the default, alternating)")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs of 16 frames a CSM setting (median)")
     ap.add_argument("--steps", type=int, default=256, help="timed decode steps a text setting")
     ap.add_argument("--folder", default="/tmp/csm1b")
     ap.add_argument("--out", default=None, help="JSON (default bench/results/stack_ab_<part>.json)")
     ap.add_argument("--plot", default=None, help="PNG: a bar a setting (the runs' dots over it)")
     ap.add_argument("--from-json", nargs="+", default=None, help="plot these recorded runs, run nothing")
-    args = ap.parse_args()
+    # a setting that starts with a negative KEEP (-1:2) would read as an option: a space ahead of it
+    args = ap.parse_args([" " + a if re.match(r"-\d+:", a) else a for a in sys.argv[1:]])
     if args.from_json:
         if not args.plot:
             ap.error("--from-json needs --plot")
@@ -208,7 +217,7 @@ def main() -> int:
     from realtime.kernels import decode_stack_cuda as dsc
 
     if args.settings is None:  # off and the default, alternating
-        args.settings = [(0, 2, None), (None, 2, None)] * 2
+        args.settings = [(0, 2, None, 0), (None, 2, None, 0)] * 2
     res = {"part": args.part, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit(),
            "date": time.strftime("%Y-%m-%d"), "inflight_default": dsc.INFLIGHT, "rows": []}
     (run_csm if args.part == "csm" else run_text)(args, res)

@@ -36,7 +36,7 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP",
+           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD",
            "auto_l2_keep", "keep_set_aside", "l2_sizes"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
@@ -81,6 +81,10 @@ def _l2_keep_env() -> int | None:
 
 
 L2_KEEP = _l2_keep_env()
+# Stages a producer asks into L2 ahead of its ring while the ring is full (Params::ahead in the .cu:
+# the HBM keeps streaming while the consumers wait on a hand-over; no result changes):
+# REALTIME_STACK_L2_AHEAD, 0 (the default): none
+L2_AHEAD = _count_env("REALTIME_STACK_L2_AHEAD", 0, "no prefetches")
 # The most of L2 that the kept stages take: on an H100 (50 MiB L2, 32.8 MB persisting at most)
 # k = 7, 8, 10, 12, 16 gave 197.3, 196.9, 198.7, 198.8, 197.7 frames/s (19 % to 53 % of L2 kept)
 L2_KEEP_SHARE = 0.36
@@ -340,7 +344,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
                       backoff: int | None = None, x_index: Tensor | None = None, x_offset: int = 0,
                       head: Tensor | None = None, sample: tuple | None = None,
                       token: Tensor | None = None, every: bool | None = None,
-                      keep: int | None = None) -> Tensor | tuple:
+                      keep: int | None = None, ahead: int | None = None) -> Tensor | tuple:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
@@ -354,7 +358,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     attention items (kv head, split) hand the heads over to every SM. ``keep`` (default the
     stack's ``l2_keep``; where that is None, -1, or 0 with REALTIME_STACK_L2_KEEP=0): L2 hints on
     the weight copies, 0 none, k > 0 every k-th stage of the layers evict_last and the rest
-    evict_first, < 0 all evict_first (results are the same).
+    evict_first, < 0 all evict_first (results are the same). ``ahead`` (default ``L2_AHEAD``): while
+    an SM's ring is full, up to that many of its next stages are asked into L2 (0: none; results
+    are the same).
 
     ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
     step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
@@ -444,8 +450,10 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     nap = BACKOFF if backoff is None else backoff
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
     kp = keep if keep is not None else w.l2_keep if w.l2_keep is not None else (0 if L2_KEEP == 0 else -1)
-    n = (ctypes.c_int * 17)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
-                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp))
+    pf = L2_AHEAD if ahead is None else ahead
+    check(0 <= pf <= 1 << 20, f"ahead must be a count of stages >= 0, got {pf}")
+    n = (ctypes.c_int * 18)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
+                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp), int(pf))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

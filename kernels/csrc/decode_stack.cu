@@ -102,6 +102,9 @@ struct Params {
                      // evict_last (kept in L2 across steps: a stack stepped many times a frame, as
                      // CSM's depth decoder), the rest evict_first; < 0 every stage evict_first (a
                      // stack that must not push the kept stages out)
+  int ahead;         // > 0: while the ring is full (the consumers wait on a hand-over), the producer asks
+                     // the L2 for up to this many of the stages past the ring (bulk prefetches), so
+                     // the HBM keeps streaming through the wait; 0: none
   // The step's input gathered in the kernel (an embedding row; null: x is the row): x is then a
   // table [xrows, DIM] and the input its row xidx[0] + xoff (clamped into the table)
   const int64_t* xidx;
@@ -166,6 +169,24 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       " @!P1 bra WAIT_%=;\n}" ::"r"(smem_u32(bar)),
       "r"(parity)
       : "memory");
+}
+
+// Whether the phase `parity` of the mbarrier has completed, without waiting
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred P1;\n"
+      " mbarrier.test_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, P1;\n}"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// The bytes at src asked into L2 (no shared memory, no completion to wait for)
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
@@ -416,6 +437,21 @@ struct Walk {
   }
 };
 
+// Params::ahead: while the slot of the stage about to be copied (g) is not free (the ring full: the
+// consumers wait on a hand-over), stage g and the stages after it are asked into L2, p.ahead of
+// them at most, each once; their copies then come from L2 as the consumers free slots. `pre` is
+// a second walk of the schedule and ga the stages it has passed (its next is stage ga).
+__device__ __forceinline__ void prefetch_while_full(const Params& p, uint64_t* empty, uint32_t parity, Walk& pre,
+                                                 uint32_t& ga, uint32_t g) {
+  const __nv_bfloat16* src;
+  uint32_t bytes;
+  for (;; ++ga) {  // (one call site of Walk::next: the code stays small)
+    if (ga >= g && (ga >= g + (uint32_t)p.ahead || mbar_test(empty, parity))) return;
+    if (!pre.next(src, bytes)) return;
+    if (ga >= g) bulk_prefetch_l2(src, bytes);
+  }
+}
+
 template <bool kTimed>
 __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int pid) {
   // one lane issues every copy; g counts the step's stages
@@ -424,8 +460,9 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
   const uint32_t t_start = now<kTimed>();
   long long waited = 0;
   Walk walk(p, rows);
+  Walk pre = walk;  // pre, ga: the L2 prefetches' walk (Params::ahead)
   const __nv_bfloat16* src;
-  uint32_t bytes;
+  uint32_t bytes, ga = 0;
   uint64_t keep_pol = 0, pass_pol = 0;  // (Params::keep)
   if (p.keep != 0) {
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep_pol));
@@ -441,6 +478,8 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
       mbar_wait(&ring.full[back.slot], back.par);
       back.advance(ring.n);
     }
+    if (p.ahead > 0 && !mbar_test(&ring.empty[at.slot], at.par ^ 1))
+      prefetch_while_full(p, &ring.empty[at.slot], at.par ^ 1, pre, ga, g);
     mbar_wait(&ring.empty[at.slot], at.par ^ 1);
     waited += now<kTimed>() - t0;
     mbar_expect_tx(&ring.full[at.slot], bytes);
@@ -1499,7 +1538,7 @@ int realtime_stack_threads() { return kThreads; }
 // a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
 // whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0, lgout or 0), f: eps and qk_scale,
 // n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff, V,
-// nhead, every, keep). Returns a cudaError_t.
+// nhead, every, keep, ahead). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -1553,6 +1592,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.nhead = n[14];
   p.every = n[15];
   p.keep = n[16];
+  p.ahead = n[17];
   p.s_temp = reinterpret_cast<const float*>(a[32]);
   p.s_topk = reinterpret_cast<const int64_t*>(a[33]);
   p.s_seed = reinterpret_cast<const int64_t*>(a[34]);

@@ -89,7 +89,9 @@ def test_kernel_code_fits_the_instruction_cache(tmp_path) -> None:
     # the layer loop's code, without the token sampler (which runs once a step, on one SM, after
     # the last layer: ~14 KB that no layer fetches), and the whole step with it
     layers, whole = step_code("-DREALTIME_STACK_NO_SAMPLER"), step_code()
-    assert layers <= 120 * 1024, f"the step's code without its sampler is {layers / 1024:.0f} KB"
+    # (117.5 KB before the producer's L2 prefetch path, Params::ahead: +2.8 KB, run by the producer
+    # only while its ring is full)
+    assert layers <= 121 * 1024, f"the step's code without its sampler is {layers / 1024:.0f} KB"
     assert whole - layers <= 16 * 1024, f"the sampler's code is {(whole - layers) / 1024:.0f} KB"
 
 
@@ -131,10 +133,11 @@ def test_refuses_what_it_does_not_take() -> None:
 @pytest.mark.parametrize("name, value, want", [
     ("INFLIGHT", "", "2"), ("INFLIGHT", "4", "4"), ("INFLIGHT", "0", "0"), ("INFLIGHT", "x", "!must be a count"),
     ("INFLIGHT", "-1", "!must be a count"), ("L2_KEEP", "", "None"), ("L2_KEEP", " Auto", "None"),
-    ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count")])
+    ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count"), ("L2_AHEAD", "", "0"),
+    ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "x", "!must be a count")])
 def test_stack_counts_from_the_environment(name: str, value: str, want: str) -> None:
     """REALTIME_STACK_INFLIGHT (weight copies in flight an SM) and REALTIME_STACK_L2_KEEP (the
-    stages L2 keeps; None: auto) are read at import; a value that is not a count fails the import
+    stages L2 keeps; None: auto) and REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring) are read at import; a value that is not a count fails the import
     with a message naming the variable ("!": the message expected)."""
     env = {**os.environ, f"REALTIME_STACK_{name}": value}
     res = subprocess.run([sys.executable, "-c", f"from realtime.kernels import decode_stack_cuda as d; print(d.{name})"],
@@ -269,10 +272,11 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
 @pytest.mark.parametrize("settings", [
     dict(balance=0, inflight=1), dict(balance=80), dict(balance=300, inflight=0), dict(inflight=1),
     dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40),
-    dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0)], ids=repr)  # (default: keep -1)
+    dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),
+    dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3)], ids=repr)  # (default: keep -1)
 def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: dict) -> None:
     """Which SM computes a row, how many weight copies fly at once, how long a poll backs off and
-    which copies L2 keeps change nothing in a row's arithmetic: the step equals the default's bit
+    which copies L2 keeps or is asked for ahead change nothing in a row's arithmetic: the step equals the default's bit
     for bit (output and caches)."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
@@ -598,14 +602,18 @@ def test_unknown_stack_kernel_is_refused_at_import() -> None:
 
 
 def test_stack_ab_reads_settings_and_plots_recorded_runs(tmp_path) -> None:
-    """bench/stack_ab.py: a setting that is not KEEP:INFLIGHT[:BACKBONE] is refused by name; a
+    """bench/stack_ab.py: a setting that is not KEEP:INFLIGHT[:BACKBONE][@AHEAD] is refused by name; a
     recorded run is plotted (a bar a setting), with no GPU."""
     script = Path(__file__).resolve().parents[2] / "bench" / "stack_ab.py"
     res = subprocess.run([sys.executable, str(script), "csm", "--settings", "12:2", "3:x"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "KEEP:INFLIGHT[:BACKBONE]" in res.stderr and "'3:x'" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "text", "--settings", "0:2", "-1:2@x"], capture_output=True,
+                         text=True, timeout=120)  # (a negative KEEP is a setting, not an option)
+    assert res.returncode == 2 and "AHEAD (after @) is a count" in res.stderr
     rows = [{"keep": k, "inflight": 2, "backbone_keep": -1 if k else 0, "frames_per_s": f} for k, f in
-            ((0, 192.9), (12, 198.2), (0, 192.4), (12, 198.1), (-1, 196.7))]
+            ((0, 192.9), (12, 198.2), (0, 192.4), (12, 198.1), (-1, 196.7))] + [
+        {"keep": 12, "inflight": 2, "ahead": 8, "backbone_keep": -1, "frames_per_s": 199.0}]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"part": "csm", "gpu": "a GPU", "rows": rows}))
     png = tmp_path / "ab.png"
