@@ -98,11 +98,13 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
         restart()
         frames(4)
         ts = ce.cuda_time(frames, args.repeats)
-        row = {"keep": keep, "inflight": inflight, "ahead": ahead, "backbone_keep": csm.backbone.stack.l2_keep, "set_aside": set_aside,
+        row = {"keep": keep, "inflight": inflight, "ahead": ahead, "backbone_keep": csm.backbone.stack.l2_keep,
+               "set_aside": set_aside,
                "frames_per_s": 16 / statistics.median(ts), "frames_per_s_each": [16 / t for t in ts],
                "same_codes": bool(torch.equal(codes, first)), "poll_errors": dsc.errors(w)}
         res["rows"].append(row)
-        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, {ahead} ahead, set aside {set_aside / 1e6:5.1f} MB:"
+        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, {ahead} ahead, "
+            f"set aside {set_aside / 1e6:5.1f} MB:"
             f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
             f" same codes {row['same_codes']}")
     dsc.persist_l2(dev, 0)

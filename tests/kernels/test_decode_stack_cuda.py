@@ -136,9 +136,10 @@ def test_refuses_what_it_does_not_take() -> None:
     ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count"), ("L2_AHEAD", "", "0"),
     ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "x", "!must be a count")])
 def test_stack_counts_from_the_environment(name: str, value: str, want: str) -> None:
-    """REALTIME_STACK_INFLIGHT (weight copies in flight an SM) and REALTIME_STACK_L2_KEEP (the
-    stages L2 keeps; None: auto) and REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring) are read at import; a value that is not a count fails the import
-    with a message naming the variable ("!": the message expected)."""
+    """REALTIME_STACK_INFLIGHT (weight copies in flight an SM), REALTIME_STACK_L2_KEEP (the stages
+    L2 keeps; None: auto) and REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring) are read
+    at import; a value that is not a count fails the import with a message naming the variable
+    ("!": the message expected)."""
     env = {**os.environ, f"REALTIME_STACK_{name}": value}
     res = subprocess.run([sys.executable, "-c", f"from realtime.kernels import decode_stack_cuda as d; print(d.{name})"],
                          capture_output=True, text=True, env=env, timeout=120)
