@@ -33,7 +33,8 @@ def log(msg: str) -> None:
 
 def parse_setting(text: str) -> tuple[int | None, int, int | None, int]:
     """KEEP:INFLIGHT[:BACKBONE][@AHEAD] -> (keep, inflight, backbone, ahead); KEEP "auto" (None):
-    the engine's k; AHEAD (default 0): stages prefetched into L2 past a full ring."""
+    the engine's k; AHEAD: stages prefetched into L2 past a full ring (None, without @: the
+    stacks' default; 0: none)."""
     text, _, ahead = text.strip().partition("@")
     if ahead and not ahead.isdigit():
         raise argparse.ArgumentTypeError(f"AHEAD (after @) is a count of stages, got {ahead!r}")
@@ -44,7 +45,11 @@ def parse_setting(text: str) -> tuple[int | None, int, int | None, int]:
         raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE] (integers, KEEP may be auto, "
                                          f"INFLIGHT >= 0), got {text!r}")
     return ((None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None,
-            int(ahead or 0))
+            int(ahead) if ahead else None)
+
+
+def ahead_s(ahead: int | None) -> str:
+    return "default" if ahead is None else str(ahead)
 
 
 def run_csm(args, res: dict) -> None:  # noqa: ANN001
@@ -103,7 +108,7 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
                "frames_per_s": 16 / statistics.median(ts), "frames_per_s_each": [16 / t for t in ts],
                "same_codes": bool(torch.equal(codes, first)), "poll_errors": dsc.errors(w)}
         res["rows"].append(row)
-        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, {ahead} ahead, "
+        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, {ahead_s(ahead)} ahead, "
             f"set aside {set_aside / 1e6:5.1f} MB:"
             f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
             f" same codes {row['same_codes']}")
@@ -141,7 +146,8 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
                 first = toks if first is None else first
                 row["same_tokens" if not pipelined else "same_tokens_pipelined"] = toks == first
             res["rows"].append(row)
-            log(f"keep {keep:3d}, {inflight} in flight, {ahead} ahead: {row['graph_tok_s']:6.0f} tok/s read each step, "
+            log(f"keep {keep:3d}, {inflight} in flight, {ahead_s(ahead)} ahead: "
+                f"{row['graph_tok_s']:6.0f} tok/s read each step, "
                 f"{row['pipelined_tok_s']:6.0f} pipelined, same tokens {row['same_tokens'] and row['same_tokens_pipelined']}")
 
 
@@ -150,7 +156,7 @@ def label(row: dict) -> str:
     name = "no hints" if k == 0 else "all\nevict_first" if k < 0 else f"keep 1/{k}"
     if row["inflight"] != 2:
         name += f"\n{row['inflight']} in flight"
-    if row.get("ahead"):
+    if row.get("ahead") is not None:
         name += f"\n{row['ahead']} ahead"
     if bb is not None and bb != (-1 if k else 0):
         name += "\nbackbone " + ("no hints" if bb == 0 else "evict_first")
@@ -159,7 +165,9 @@ def label(row: dict) -> str:
 
 def _order(row: dict) -> tuple:
     k, bb = row["keep"], row.get("backbone_keep")
-    return row["inflight"], row.get("ahead", 0), 0 if k == 0 else 1 if k < 0 else 2, -k, bb is not None and bb != (-1 if k else 0)
+    ahead = row.get("ahead")
+    return (row["inflight"], -1 if ahead is None else ahead, 0 if k == 0 else 1 if k < 0 else 2, -k,
+            bb is not None and bb != (-1 if k else 0))
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -184,7 +192,8 @@ def plot(runs: list[dict], path: str) -> None:
         lo = min(min(v) for v in groups.values())
         ax.set_ylim(lo * 0.97, max(max(v) for v in groups.values()) * 1.01)
         ax.set_ylabel("frames/s, batch 1" if csm else "tok/s, batch 1, read each step")
-        ax.set_title(f"{'CSM-1B' if csm else 'text, Llama-3.2-1B shapes'} ({res['gpu']}): L2 hints", fontsize=9)
+        name = "CSM-1B" if csm else "text, Llama-3.2-1B shapes"
+        ax.set_title(f"{name} ({res['gpu']}): the stack's L2 settings", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"wrote {path}")
@@ -219,7 +228,7 @@ def main() -> int:
     from realtime.kernels import decode_stack_cuda as dsc
 
     if args.settings is None:  # off and the default, alternating
-        args.settings = [(0, 2, None, 0), (None, 2, None, 0)] * 2
+        args.settings = [(0, 2, None, None), (None, 2, None, None)] * 2
     res = {"part": args.part, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit(),
            "date": time.strftime("%Y-%m-%d"), "inflight_default": dsc.INFLIGHT, "rows": []}
     (run_csm if args.part == "csm" else run_text)(args, res)

@@ -743,6 +743,8 @@ class StackWeights:
     scratch: dict = field(default_factory=dict)  # per (programs, splits): the kernel's ``_Scratch``
     # the CUDA stack's L2 hints for these weights (decode_stack_cuda's ``keep``; None: its default)
     l2_keep: int | None = None
+    # its L2 prefetches past a full ring (decode_stack_cuda's ``ahead``; None: its default)
+    l2_ahead: int | None = None
 
     @property
     def head_dim(self) -> int:

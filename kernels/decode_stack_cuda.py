@@ -36,7 +36,7 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD",
+           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT",
            "auto_l2_keep", "keep_set_aside", "l2_sizes"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
@@ -75,16 +75,21 @@ INFLIGHT = _inflight_env()
 # k from ``auto_l2_keep``. REALTIME_STACK_L2_KEEP=k sets k; 0: no hints at all; unset or "auto":
 # the default. H100 (2026-12-07, same call): CSM 192.9 -> 198.2 frames/s (k = 12, the auto k),
 # 196.7 with every stage evict_first; text 977 -> 988 tok/s evict_first.
-def _l2_keep_env() -> int | None:
-    raw = os.environ.get("REALTIME_STACK_L2_KEEP", "").strip().lower()
-    return None if raw in ("", "auto") else _count_env("REALTIME_STACK_L2_KEEP", 0, "no L2 hints; auto: the default")
+def _auto_count_env(name: str, zero: str) -> int | None:
+    """The count in environment variable ``name``; None (the default) where unset or "auto"."""
+    raw = os.environ.get(name, "").strip().lower()
+    return None if raw in ("", "auto") else _count_env(name, 0, f"{zero}; auto: the default")
 
 
-L2_KEEP = _l2_keep_env()
-# Stages a producer asks into L2 ahead of its ring while the ring is full (Params::ahead in the .cu:
-# the HBM keeps streaming while the consumers wait on a hand-over; no result changes):
-# REALTIME_STACK_L2_AHEAD, 0 (the default): none
-L2_AHEAD = _count_env("REALTIME_STACK_L2_AHEAD", 0, "no prefetches")
+L2_KEEP = _auto_count_env("REALTIME_STACK_L2_KEEP", "no L2 hints")
+# Stages a producer asks into L2 past its ring while the ring is full (Params::ahead in the .cu:
+# the HBM keeps streaming while the consumers wait on a hand-over; no result changes). A stack's
+# ``l2_ahead`` (None: L2_AHEAD_DEFAULT) sets it; REALTIME_STACK_L2_AHEAD=n sets it for every stack
+# (0: none; unset or "auto": the stacks' own). H100 (2026-12-07, same calls, alternating): text
+# 997 -> 1,001 / 1,006 / 1,008 / 1,007 / 968 tok/s at 4 / 8 / 12 / 16 / 32 ahead; CSM 197.0 ->
+# 199.4 / 199.6 / 198.9 / 197.7 / 189.9 frames/s at 2 / 4 / 6 / 8 / 16 (the engine takes 4).
+L2_AHEAD = _auto_count_env("REALTIME_STACK_L2_AHEAD", "no prefetches")
+L2_AHEAD_DEFAULT = 12
 # The most of L2 that the kept stages take: on an H100 (50 MiB L2, 32.8 MB persisting at most)
 # k = 7, 8, 10, 12, 16 gave 197.3, 196.9, 198.7, 198.8, 197.7 frames/s (19 % to 53 % of L2 kept)
 L2_KEEP_SHARE = 0.36
@@ -358,9 +363,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     attention items (kv head, split) hand the heads over to every SM. ``keep`` (default the
     stack's ``l2_keep``; where that is None, -1, or 0 with REALTIME_STACK_L2_KEEP=0): L2 hints on
     the weight copies, 0 none, k > 0 every k-th stage of the layers evict_last and the rest
-    evict_first, < 0 all evict_first (results are the same). ``ahead`` (default ``L2_AHEAD``): while
-    an SM's ring is full, up to that many of its next stages are asked into L2 (0: none; results
-    are the same).
+    evict_first, < 0 all evict_first (results are the same). ``ahead``: while an SM's ring is full, up
+    to that many of its next stages are asked into L2 (0: none; results are the same); default
+    ``L2_AHEAD`` where set, else the stack's ``l2_ahead``, else ``L2_AHEAD_DEFAULT``.
 
     ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
     step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
@@ -450,7 +455,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     nap = BACKOFF if backoff is None else backoff
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
     kp = keep if keep is not None else w.l2_keep if w.l2_keep is not None else (0 if L2_KEEP == 0 else -1)
-    pf = L2_AHEAD if ahead is None else ahead
+    pf = next(a for a in (ahead, L2_AHEAD, w.l2_ahead, L2_AHEAD_DEFAULT) if a is not None)
     check(0 <= pf <= 1 << 20, f"ahead must be a count of stages >= 0, got {pf}")
     n = (ctypes.c_int * 18)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
                             nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp), int(pf))

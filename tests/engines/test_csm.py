@@ -620,6 +620,7 @@ def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refuse
     w = model.depth.stack
     layers = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
     assert w.l2_keep is None and model.backbone.stack.l2_keep is None  # (the launch's default)
+    assert w.l2_ahead is None and model.backbone.stack.l2_ahead is None
     asked: list = []
 
     def persist(device, nbytes):  # noqa: ANN001, ANN202
@@ -639,6 +640,7 @@ def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refuse
         with caplog.at_level(logging.WARNING, logger="realtime.engines.csm"):
             model._keep_depth_in_l2()
         assert w.l2_keep == k and model.backbone.stack.l2_keep == -1
+        assert w.l2_ahead == model.backbone.stack.l2_ahead == 4  # (prefetches past a full ring)
         assert asked[-1] == layers // k + layers // k // 8 == dsc.keep_set_aside(layers, k)
         assert model.l2_kept == (0 if refused else asked[-1])
         assert ("no persisting L2 set aside" in caplog.text) == refused

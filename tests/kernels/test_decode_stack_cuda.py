@@ -133,13 +133,13 @@ def test_refuses_what_it_does_not_take() -> None:
 @pytest.mark.parametrize("name, value, want", [
     ("INFLIGHT", "", "2"), ("INFLIGHT", "4", "4"), ("INFLIGHT", "0", "0"), ("INFLIGHT", "x", "!must be a count"),
     ("INFLIGHT", "-1", "!must be a count"), ("L2_KEEP", "", "None"), ("L2_KEEP", " Auto", "None"),
-    ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count"), ("L2_AHEAD", "", "0"),
-    ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "x", "!must be a count")])
+    ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count"), ("L2_AHEAD", "", "None"),
+    ("L2_AHEAD", "auto", "None"), ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "0", "0"), ("L2_AHEAD", "x", "!must be a count")])
 def test_stack_counts_from_the_environment(name: str, value: str, want: str) -> None:
     """REALTIME_STACK_INFLIGHT (weight copies in flight an SM), REALTIME_STACK_L2_KEEP (the stages
-    L2 keeps; None: auto) and REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring) are read
-    at import; a value that is not a count fails the import with a message naming the variable
-    ("!": the message expected)."""
+    L2 keeps; None: auto) and REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring; None:
+    each stack's own) are read at import; a value that is not a count fails the import with a
+    message naming the variable ("!": the message expected)."""
     env = {**os.environ, f"REALTIME_STACK_{name}": value}
     res = subprocess.run([sys.executable, "-c", f"from realtime.kernels import decode_stack_cuda as d; print(d.{name})"],
                          capture_output=True, text=True, env=env, timeout=120)
@@ -273,8 +273,8 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
 @pytest.mark.parametrize("settings", [
     dict(balance=0, inflight=1), dict(balance=80), dict(balance=300, inflight=0), dict(inflight=1),
     dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40),
-    dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),
-    dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3)], ids=repr)  # (default: keep -1)
+    dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),  # (default: keep -1, ahead 12)
+    dict(ahead=0), dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3)], ids=repr)  # (default: keep -1)
 def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: dict) -> None:
     """Which SM computes a row, how many weight copies fly at once, how long a poll backs off and
     which copies L2 keeps or is asked for ahead change nothing in a row's arithmetic: the step equals the default's bit
