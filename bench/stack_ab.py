@@ -1,17 +1,21 @@
-"""The CUDA decode stack's L2 hints and copies in flight, A/B in one process: the engine is loaded
-once, and each setting is captured again and timed, in the order given (alternate them: a GPU
-drifts by ~1 % over a minute). CSM-1B (random weights, /tmp/csm1b as bench/csm_engine.py builds
-it) at batch 1, sampled, or text decode at Llama-3.2-1B shapes, batch 1, greedy.
+"""The CUDA decode stack's L2 hints, L2 prefetches and copies in flight, A/B in one process: the
+engine is loaded once, and each setting is captured again and timed, in the order given
+(alternate them: a GPU drifts by ~1 % over a minute). CSM-1B (random weights, /tmp/csm1b as
+bench/csm_engine.py builds it) at batch 1, sampled, or text decode at Llama-3.2-1B shapes, batch
+1, greedy.
 
-  REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2 12:2 0:2 12:2
-  REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings 0:2 -1:2 0:2 -1:2
+  REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2@0 12:2 0:2@0 12:2
+  REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings -1:2@0 -1:2 -1:2@0 -1:2
 
 A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD]. KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
 every k-th stage kept in a persisting L2 set aside for it, -1: every stage evict_first, 0: no
 hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
-backbone's ``l2_keep`` (default: -1 where KEEP is not 0). Every CSM setting's first frames are
-checked against the first setting's codes (the hints change no result). Prints a table, writes
-JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots recorded runs.
+backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages every stack prefetches
+into L2 past a full ring (without @: each stack's default, 12 for text and 4 for CSM; 0: none).
+Every CSM setting's first frames are checked against the first setting's codes, and every text
+setting's tokens against the first's (none of these settings changes a result). Prints a table,
+writes JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots
+recorded runs.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def parse_setting(text: str) -> tuple[int | None, int, int | None, int]:
     ok = 2 <= len(parts) <= 3 and all(p.lstrip("-").isdigit() for p in parts[1:])
     ok = ok and (parts[0] == "auto" or parts[0].lstrip("-").isdigit())
     if not ok or int(parts[1]) < 0:
-        raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE] (integers, KEEP may be auto, "
+        raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD] (integers, KEEP may be auto, "
                                          f"INFLIGHT >= 0), got {text!r}")
     return ((None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None,
             int(ahead) if ahead else None)
@@ -203,7 +207,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=["csm", "text"])
     ap.add_argument("--settings", type=parse_setting, nargs="+", default=None,
-                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD] ... (default: 0:2 auto:2 0:2 auto:2, off and the default, alternating)")
+                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD] ... (default: 0:2@0 auto:2 0:2@0 auto:2, off and the "
+                         "default, alternating)")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs of 16 frames a CSM setting (median)")
     ap.add_argument("--steps", type=int, default=256, help="timed decode steps a text setting")
     ap.add_argument("--folder", default="/tmp/csm1b")
@@ -228,7 +233,7 @@ def main() -> int:
     from realtime.kernels import decode_stack_cuda as dsc
 
     if args.settings is None:  # off and the default, alternating
-        args.settings = [(0, 2, None, None), (None, 2, None, None)] * 2
+        args.settings = [(0, 2, None, 0), (None, 2, None, None)] * 2
     res = {"part": args.part, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit(),
            "date": time.strftime("%Y-%m-%d"), "inflight_default": dsc.INFLIGHT, "rows": []}
     (run_csm if args.part == "csm" else run_text)(args, res)
