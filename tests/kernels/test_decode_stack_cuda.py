@@ -273,12 +273,12 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
 @pytest.mark.parametrize("settings", [
     dict(balance=0, inflight=1), dict(balance=80), dict(balance=300, inflight=0), dict(inflight=1),
     dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40),
-    dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),  # (default: keep -1, ahead 12)
-    dict(ahead=0), dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3)], ids=repr)  # (default: keep -1)
+    dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),
+    dict(ahead=0), dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3)], ids=repr)  # (default: keep -1, ahead 12)
 def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: dict) -> None:
     """Which SM computes a row, how many weight copies fly at once, how long a poll backs off and
-    which copies L2 keeps or is asked for ahead change nothing in a row's arithmetic: the step equals the default's bit
-    for bit (output and caches)."""
+    which copies L2 keeps or is asked for ahead change nothing in a row's arithmetic: the step
+    equals the default's bit for bit (output and caches)."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
     model = _model(3)
