@@ -7,11 +7,13 @@ bench/csm_engine.py builds it) at batch 1, sampled, or text decode at Llama-3.2-
   REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2@0 12:2 0:2@0 12:2
   REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings -1:2@0 -1:2 -1:2@0 -1:2
 
-A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD]. KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
+A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST]. KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
 every k-th stage kept in a persisting L2 set aside for it, -1: every stage evict_first, 0: no
 hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
 backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages every stack prefetches
-into L2 past a full ring (without @: each stack's default, 12 for text and 4 for CSM; 0: none).
+into L2 past a full ring (without @: each stack's default, 12 for text and 4 for CSM; 0: none);
+BURST the copies in flight an SM while its consumers are close behind its stream (without +:
+REALTIME_STACK_BURST's, 0 unless set: off).
 Every CSM setting's first frames are checked against the first setting's codes, and every text
 setting's tokens against the first's (none of these settings changes a result). Prints a table,
 writes JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots
@@ -35,21 +37,25 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def parse_setting(text: str) -> tuple[int | None, int, int | None, int]:
-    """KEEP:INFLIGHT[:BACKBONE][@AHEAD] -> (keep, inflight, backbone, ahead); KEEP "auto" (None):
-    the engine's k; AHEAD: stages prefetched into L2 past a full ring (None, without @: the
-    stacks' default; 0: none)."""
-    text, _, ahead = text.strip().partition("@")
+def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, int | None]:
+    """KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] -> (keep, inflight, backbone, ahead, burst); KEEP
+    "auto" (None): the engine's k; AHEAD: stages prefetched into L2 past a full ring (None, without
+    @: the stacks' default; 0: none); BURST: copies in flight while the consumers are close behind
+    the stream (None, without +: the default)."""
+    text, _, burst = text.strip().partition("+")
+    if burst and not burst.isdigit():
+        raise argparse.ArgumentTypeError(f"BURST (after +) is a count of copies, got {burst!r}")
+    text, _, ahead = text.partition("@")
     if ahead and not ahead.isdigit():
         raise argparse.ArgumentTypeError(f"AHEAD (after @) is a count of stages, got {ahead!r}")
     parts = text.split(":")
     ok = 2 <= len(parts) <= 3 and all(p.lstrip("-").isdigit() for p in parts[1:])
     ok = ok and (parts[0] == "auto" or parts[0].lstrip("-").isdigit())
     if not ok or int(parts[1]) < 0:
-        raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD] (integers, KEEP may be auto, "
+        raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (integers, KEEP may be auto, "
                                          f"INFLIGHT >= 0), got {text!r}")
     return ((None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None,
-            int(ahead) if ahead else None)
+            int(ahead) if ahead else None, int(burst) if burst else None)
 
 
 def ahead_s(ahead: int | None) -> str:
@@ -94,12 +100,13 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
             b.frame_step(slots, temp, top_k, seeds)
 
     first = None
-    for keep, inflight, backbone, ahead in args.settings:
+    burst0 = dsc.BURST
+    for keep, inflight, backbone, ahead, burst in args.settings:
         keep = res["auto_keep"] if keep is None else keep
         w.l2_keep = keep
         csm.backbone.stack.l2_keep = backbone if backbone is not None else (-1 if keep else 0)
         set_aside = dsc.persist_l2(dev, dsc.keep_set_aside(layers, keep) if keep > 0 else 0)
-        dsc.INFLIGHT, dsc.L2_AHEAD = inflight, ahead
+        dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
         b.step_graphs = csm.capture_step(b.state, sizes=[1])  # the hints and the count are in the launch
         restart()
         codes = torch.stack([b.frame_step(slots, temp, top_k, seeds) for _ in range(6)])
@@ -107,12 +114,14 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
         restart()
         frames(4)
         ts = ce.cuda_time(frames, args.repeats)
-        row = {"keep": keep, "inflight": inflight, "ahead": ahead, "backbone_keep": csm.backbone.stack.l2_keep,
+        row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.BURST,
+               "backbone_keep": csm.backbone.stack.l2_keep,
                "set_aside": set_aside,
                "frames_per_s": 16 / statistics.median(ts), "frames_per_s_each": [16 / t for t in ts],
                "same_codes": bool(torch.equal(codes, first)), "poll_errors": dsc.errors(w)}
         res["rows"].append(row)
-        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight, {ahead_s(ahead)} ahead, "
+        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight (burst {dsc.BURST}), "
+            f"{ahead_s(ahead)} ahead, "
             f"set aside {set_aside / 1e6:5.1f} MB:"
             f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
             f" same codes {row['same_codes']}")
@@ -138,11 +147,12 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
         if model.transformer.stack is None:
             raise SystemExit("the CUDA stack is off: set REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda")
         first = None
-        for keep, inflight, _, ahead in args.settings:
+        burst0 = dsc.BURST
+        for keep, inflight, _, ahead, burst in args.settings:
             keep = -1 if keep is None else keep  # (auto: the text stack's default, evict_first)
-            dsc.INFLIGHT, dsc.L2_AHEAD = inflight, ahead
+            dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
             model.transformer.stack.l2_keep = keep
-            row = {"keep": keep, "inflight": inflight, "ahead": ahead}
+            row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.BURST}
             for pipelined in (False, True):  # each builds its decoder, and so captures its graphs
                 tps, toks = tb.ours_tokens_per_s(model, 1, 128, args.steps, True, 0.0, 128 + args.steps + 8, None,
                                                  pipelined)
@@ -150,7 +160,7 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
                 first = toks if first is None else first
                 row["same_tokens" if not pipelined else "same_tokens_pipelined"] = toks == first
             res["rows"].append(row)
-            log(f"keep {keep:3d}, {inflight} in flight, {ahead_s(ahead)} ahead: "
+            log(f"keep {keep:3d}, {inflight} in flight (burst {dsc.BURST}), {ahead_s(ahead)} ahead: "
                 f"{row['graph_tok_s']:6.0f} tok/s read each step, "
                 f"{row['pipelined_tok_s']:6.0f} pipelined, same tokens {row['same_tokens'] and row['same_tokens_pipelined']}")
 
@@ -162,6 +172,8 @@ def label(row: dict) -> str:
         name += f"\n{row['inflight']} in flight"
     if row.get("ahead") is not None:
         name += f"\n{row['ahead']} ahead"
+    if row.get("burst", 0) > row["inflight"]:
+        name += f"\nburst {row['burst']}"
     if bb is not None and bb != (-1 if k else 0):
         name += "\nbackbone " + ("no hints" if bb == 0 else "evict_first")
     return name
@@ -170,7 +182,7 @@ def label(row: dict) -> str:
 def _order(row: dict) -> tuple:
     k, bb = row["keep"], row.get("backbone_keep")
     ahead = row.get("ahead")
-    return (row["inflight"], -1 if ahead is None else ahead, 0 if k == 0 else 1 if k < 0 else 2, -k,
+    return (row["inflight"], row.get("burst", 0), -1 if ahead is None else ahead, 0 if k == 0 else 1 if k < 0 else 2, -k,
             bb is not None and bb != (-1 if k else 0))
 
 
@@ -207,7 +219,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=["csm", "text"])
     ap.add_argument("--settings", type=parse_setting, nargs="+", default=None,
-                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD] ... (default: 0:2@0 auto:2 0:2@0 auto:2, off and the "
+                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] ... (default: 0:2@0 auto:2 0:2@0 auto:2, off and the "
                          "default, alternating)")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs of 16 frames a CSM setting (median)")
     ap.add_argument("--steps", type=int, default=256, help="timed decode steps a text setting")

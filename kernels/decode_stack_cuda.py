@@ -36,7 +36,7 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT",
+           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT", "BURST",
            "auto_l2_keep", "keep_set_aside", "l2_sizes"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
@@ -68,6 +68,11 @@ def _inflight_env() -> int:
 
 
 INFLIGHT = _inflight_env()
+# More copies in flight while an SM's consumers are close behind its stream (Params::burst in the
+# .cu: they wait on bytes, not on a hand-over, so no poll is queued behind the extra copies):
+# REALTIME_STACK_BURST=n (0, the default: INFLIGHT always). An experiment for the H200, whose
+# faster memory may want more bytes in flight than INFLIGHT's 2 copies (4.3 MB over 132 SMs).
+BURST = _count_env("REALTIME_STACK_BURST", 0, "off")
 # L2 hints on the weight copies (Params::keep in the .cu; they change no result). By default every
 # stack streams its weights evict_first, so that a step's stream does not push the KV cache and
 # the hand-overs out of L2, and the CSM engine keeps every k-th 16 KB stage of its depth decoder's
@@ -349,7 +354,8 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
                       backoff: int | None = None, x_index: Tensor | None = None, x_offset: int = 0,
                       head: Tensor | None = None, sample: tuple | None = None,
                       token: Tensor | None = None, every: bool | None = None,
-                      keep: int | None = None, ahead: int | None = None) -> Tensor | tuple:
+                      keep: int | None = None, ahead: int | None = None,
+                      burst: int | None = None) -> Tensor | tuple:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
@@ -365,7 +371,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     the weight copies, 0 none, k > 0 every k-th stage of the layers evict_last and the rest
     evict_first, < 0 all evict_first (results are the same). ``ahead``: while an SM's ring is full, up
     to that many of its next stages are asked into L2 (0: none; results are the same); default
-    ``L2_AHEAD`` where set, else the stack's ``l2_ahead``, else ``L2_AHEAD_DEFAULT``.
+    ``L2_AHEAD`` where set, else the stack's ``l2_ahead``, else ``L2_AHEAD_DEFAULT``. ``burst`` (default
+    ``BURST``; 0 or <= ``inflight``: off): the cap on copies in flight while the SM's consumers are
+    close behind its stream (results are the same).
 
     ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
     step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
@@ -457,8 +465,10 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     kp = keep if keep is not None else w.l2_keep if w.l2_keep is not None else (0 if L2_KEEP == 0 else -1)
     pf = next(a for a in (ahead, L2_AHEAD, w.l2_ahead, L2_AHEAD_DEFAULT) if a is not None)
     check(0 <= pf <= 1 << 20, f"ahead must be a count of stages >= 0, got {pf}")
-    n = (ctypes.c_int * 18)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
-                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp), int(pf))
+    bu = BURST if burst is None else burst
+    check(0 <= bu <= 1 << 20, f"burst must be a count of copies >= 0, got {bu}")
+    n = (ctypes.c_int * 19)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
+                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp), int(pf), int(bu))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")

@@ -106,6 +106,9 @@ struct Params {
   int ahead;         // > 0: while the ring is full (the consumers wait on a hand-over), the producer asks
                      // the L2 for up to this many of the stages past the ring (bulk prefetches), so
                      // the HBM keeps streaming through the wait; 0: none
+  int burst;         // > inflight: the cap on copies in flight while the consumers are close behind the
+                     // stream (they have freed the stage min(2 burst, nstages - 1) back: the SM waits on
+                     // bytes, not on a hand-over); `inflight` while they lag (0: inflight always)
   // The step's input gathered in the kernel (an embedding row; null: x is the row): x is then a
   // table [xrows, DIM] and the input its row xidx[0] + xoff (clamped into the table)
   const int64_t* xidx;
@@ -456,8 +459,9 @@ __device__ __forceinline__ void prefetch_while_full(const Params& p, uint64_t* e
 template <bool kTimed>
 __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int pid) {
   // one lane issues every copy; g counts the step's stages
-  uint32_t g = 0;
-  RingPos at, back;  // the stage to fill; the stage `inflight` copies back
+  uint32_t g = 0, gb = 0;  // gb: the copies seen landed (stage `back`)
+  RingPos at, back, lag;  // the stage to fill; the oldest copy not seen landed; stage g - near (Params::burst)
+  const uint32_t near = (uint32_t)min(2 * p.burst, ring.n - 1);
   const uint32_t t_start = now<kTimed>();
   long long waited = 0;
   Walk walk(p, rows);
@@ -471,11 +475,15 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
   }
   while (walk.next(src, bytes)) {
     uint32_t t0 = now<kTimed>();
-    if (g >= (uint32_t)p.inflight && p.inflight < ring.n) {
-      // Little's law: every SM with its whole ring in flight fills the memory system's queues,
-      // and every read on the critical path (the attention's, the polls) waits behind them.
-      // Enough copies stay in flight to keep the HBM busy; the other stages hold landed bytes,
-      // so a consumer that stalls does not stall the stream.
+    // Little's law: every SM with its whole ring in flight fills the memory system's queues,
+    // and every read on the critical path (the attention's, the polls) waits behind them.
+    // Enough copies stay in flight to keep the HBM busy; the other stages hold landed bytes,
+    // so a consumer that stalls does not stall the stream. Params::burst: more of them while
+    // the consumers wait on bytes (they have freed stage g - near), not on another SM.
+    uint32_t cap = (uint32_t)p.inflight;
+    if (p.burst > p.inflight && (g < near || mbar_test(&ring.empty[lag.slot], lag.par))) cap = (uint32_t)p.burst;
+    if (g >= near) lag.advance(ring.n);
+    for (; g - gb >= cap && cap < (uint32_t)ring.n; ++gb) {
       mbar_wait(&ring.full[back.slot], back.par);
       back.advance(ring.n);
     }
@@ -1539,7 +1547,7 @@ int realtime_stack_threads() { return kThreads; }
 // a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
 // whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0, lgout or 0), f: eps and qk_scale,
 // n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff, V,
-// nhead, every, keep, ahead). Returns a cudaError_t.
+// nhead, every, keep, ahead, burst). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -1594,6 +1602,7 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.every = n[15];
   p.keep = n[16];
   p.ahead = n[17];
+  p.burst = n[18];
   p.s_temp = reinterpret_cast<const float*>(a[32]);
   p.s_topk = reinterpret_cast<const int64_t*>(a[33]);
   p.s_seed = reinterpret_cast<const int64_t*>(a[34]);

@@ -90,7 +90,7 @@ def test_kernel_code_fits_the_instruction_cache(tmp_path) -> None:
     # the last layer: ~14 KB that no layer fetches), and the whole step with it
     layers, whole = step_code("-DREALTIME_STACK_NO_SAMPLER"), step_code()
     # (117.5 KB before the producer's L2 prefetch path, Params::ahead: +2.8 KB, run by the producer
-    # only while its ring is full)
+    # only while its ring is full; Params::burst's test a stage: +0.6 KB, 120.9 KB)
     assert layers <= 121 * 1024, f"the step's code without its sampler is {layers / 1024:.0f} KB"
     assert whole - layers <= 16 * 1024, f"the sampler's code is {(whole - layers) / 1024:.0f} KB"
 
@@ -134,11 +134,13 @@ def test_refuses_what_it_does_not_take() -> None:
     ("INFLIGHT", "", "2"), ("INFLIGHT", "4", "4"), ("INFLIGHT", "0", "0"), ("INFLIGHT", "x", "!must be a count"),
     ("INFLIGHT", "-1", "!must be a count"), ("L2_KEEP", "", "None"), ("L2_KEEP", " Auto", "None"),
     ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count"), ("L2_AHEAD", "", "None"),
-    ("L2_AHEAD", "auto", "None"), ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "0", "0"), ("L2_AHEAD", "x", "!must be a count")])
+    ("L2_AHEAD", "auto", "None"), ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "0", "0"), ("L2_AHEAD", "x", "!must be a count"),
+    ("BURST", "", "0"), ("BURST", "4", "4"), ("BURST", "-3", "!must be a count")])
 def test_stack_counts_from_the_environment(name: str, value: str, want: str) -> None:
     """REALTIME_STACK_INFLIGHT (weight copies in flight an SM), REALTIME_STACK_L2_KEEP (the stages
-    L2 keeps; None: auto) and REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring; None:
-    each stack's own) are read at import; a value that is not a count fails the import with a
+    L2 keeps; None: auto), REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring; None:
+    each stack's own) and REALTIME_STACK_BURST (copies in flight while the consumers are close
+    behind; 0: off) are read at import; a value that is not a count fails the import with a
     message naming the variable ("!": the message expected)."""
     env = {**os.environ, f"REALTIME_STACK_{name}": value}
     res = subprocess.run([sys.executable, "-c", f"from realtime.kernels import decode_stack_cuda as d; print(d.{name})"],
@@ -274,7 +276,8 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
     dict(balance=0, inflight=1), dict(balance=80), dict(balance=300, inflight=0), dict(inflight=1),
     dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40),
     dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),
-    dict(ahead=0), dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3)], ids=repr)  # (default: keep -1, ahead 12)
+    dict(ahead=0), dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3),
+    dict(burst=4), dict(burst=3, inflight=1), dict(burst=6, ahead=0)], ids=repr)  # (default: keep -1, ahead 12, burst 0)
 def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: dict) -> None:
     """Which SM computes a row, how many weight copies fly at once, how long a poll backs off and
     which copies L2 keeps or is asked for ahead change nothing in a row's arithmetic: the step
@@ -612,9 +615,13 @@ def test_stack_ab_reads_settings_and_plots_recorded_runs(tmp_path) -> None:
     res = subprocess.run([sys.executable, str(script), "text", "--settings", "0:2", "-1:2@x"], capture_output=True,
                          text=True, timeout=120)  # (a negative KEEP is a setting, not an option)
     assert res.returncode == 2 and "AHEAD (after @) is a count" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "text", "--settings", "-1:2@4+x"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "BURST (after +) is a count" in res.stderr
     rows = [{"keep": k, "inflight": 2, "backbone_keep": -1 if k else 0, "frames_per_s": f} for k, f in
             ((0, 192.9), (12, 198.2), (0, 192.4), (12, 198.1), (-1, 196.7))] + [
-        {"keep": 12, "inflight": 2, "ahead": 8, "backbone_keep": -1, "frames_per_s": 199.0}]
+        {"keep": 12, "inflight": 2, "ahead": 8, "backbone_keep": -1, "frames_per_s": 199.0},
+        {"keep": 12, "inflight": 2, "ahead": 4, "burst": 4, "backbone_keep": -1, "frames_per_s": 199.5}]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"part": "csm", "gpu": "a GPU", "rows": rows}))
     png = tmp_path / "ab.png"
