@@ -5,15 +5,15 @@ bench/csm_engine.py builds it) at batch 1, sampled, or text decode at Llama-3.2-
 1, greedy.
 
   REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2@0 12:2 0:2@0 12:2
-  REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings -1:2@0 -1:2 -1:2@0 -1:2
+  REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings -1:2@0+0 -1:2 -1:2@0+0 -1:2
 
-A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST]. KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
+A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (@ and + in either order). KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
 every k-th stage kept in a persisting L2 set aside for it, -1: every stage evict_first, 0: no
 hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
 backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages every stack prefetches
 into L2 past a full ring (without @: each stack's default, 12 for text and 4 for CSM; 0: none);
 BURST the copies in flight an SM while its consumers are close behind its stream (without +:
-REALTIME_STACK_BURST's, 0 unless set: off).
+each stack's default, 3 for text and 0 for CSM; 0: off).
 Every CSM setting's first frames are checked against the first setting's codes, and every text
 setting's tokens against the first's (none of these settings changes a result). Prints a table,
 writes JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots
@@ -42,11 +42,14 @@ def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, i
     "auto" (None): the engine's k; AHEAD: stages prefetched into L2 past a full ring (None, without
     @: the stacks' default; 0: none); BURST: copies in flight while the consumers are close behind
     the stream (None, without +: the default)."""
-    text, _, burst = text.strip().partition("+")
-    if burst and not burst.isdigit():
+    text, *found = re.split(r"(?=[@+])", text.strip())  # KEEP:INFLIGHT[:BACKBONE], then "@4", "+3"
+    suffix = {s[0]: s[1:] for s in found}
+    if len(suffix) < len(found):
+        raise argparse.ArgumentTypeError(f"a setting takes one @AHEAD and one +BURST at most, got {text + ''.join(found)!r}")
+    ahead, burst = suffix.get("@"), suffix.get("+")
+    if burst is not None and not burst.isdigit():
         raise argparse.ArgumentTypeError(f"BURST (after +) is a count of copies, got {burst!r}")
-    text, _, ahead = text.partition("@")
-    if ahead and not ahead.isdigit():
+    if ahead is not None and not ahead.isdigit():
         raise argparse.ArgumentTypeError(f"AHEAD (after @) is a count of stages, got {ahead!r}")
     parts = text.split(":")
     ok = 2 <= len(parts) <= 3 and all(p.lstrip("-").isdigit() for p in parts[1:])
@@ -55,7 +58,7 @@ def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, i
         raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (integers, KEEP may be auto, "
                                          f"INFLIGHT >= 0), got {text!r}")
     return ((None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None,
-            int(ahead) if ahead else None, int(burst) if burst else None)
+            None if ahead is None else int(ahead), None if burst is None else int(burst))
 
 
 def ahead_s(ahead: int | None) -> str:
@@ -107,6 +110,7 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
         csm.backbone.stack.l2_keep = backbone if backbone is not None else (-1 if keep else 0)
         set_aside = dsc.persist_l2(dev, dsc.keep_set_aside(layers, keep) if keep > 0 else 0)
         dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
+        bursts = (dsc.burst_of(w), dsc.burst_of(csm.backbone.stack))
         b.step_graphs = csm.capture_step(b.state, sizes=[1])  # the hints and the count are in the launch
         restart()
         codes = torch.stack([b.frame_step(slots, temp, top_k, seeds) for _ in range(6)])
@@ -114,13 +118,13 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
         restart()
         frames(4)
         ts = ce.cuda_time(frames, args.repeats)
-        row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.BURST,
+        row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": bursts[0], "backbone_burst": bursts[1],
                "backbone_keep": csm.backbone.stack.l2_keep,
                "set_aside": set_aside,
                "frames_per_s": 16 / statistics.median(ts), "frames_per_s_each": [16 / t for t in ts],
                "same_codes": bool(torch.equal(codes, first)), "poll_errors": dsc.errors(w)}
         res["rows"].append(row)
-        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight (burst {dsc.BURST}), "
+        log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight (burst {bursts[0]}/{bursts[1]}), "
             f"{ahead_s(ahead)} ahead, "
             f"set aside {set_aside / 1e6:5.1f} MB:"
             f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
@@ -152,7 +156,7 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
             keep = -1 if keep is None else keep  # (auto: the text stack's default, evict_first)
             dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
             model.transformer.stack.l2_keep = keep
-            row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.BURST}
+            row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.burst_of(model.transformer.stack)}
             for pipelined in (False, True):  # each builds its decoder, and so captures its graphs
                 tps, toks = tb.ours_tokens_per_s(model, 1, 128, args.steps, True, 0.0, 128 + args.steps + 8, None,
                                                  pipelined)
@@ -160,7 +164,7 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
                 first = toks if first is None else first
                 row["same_tokens" if not pipelined else "same_tokens_pipelined"] = toks == first
             res["rows"].append(row)
-            log(f"keep {keep:3d}, {inflight} in flight (burst {dsc.BURST}), {ahead_s(ahead)} ahead: "
+            log(f"keep {keep:3d}, {inflight} in flight (burst {row['burst']}), {ahead_s(ahead)} ahead: "
                 f"{row['graph_tok_s']:6.0f} tok/s read each step, "
                 f"{row['pipelined_tok_s']:6.0f} pipelined, same tokens {row['same_tokens'] and row['same_tokens_pipelined']}")
 
@@ -219,7 +223,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=["csm", "text"])
     ap.add_argument("--settings", type=parse_setting, nargs="+", default=None,
-                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] ... (default: 0:2@0 auto:2 0:2@0 auto:2, off and the "
+                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] ... (default: 0:2@0+0 auto:2 0:2@0+0 auto:2, off and the "
                          "default, alternating)")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs of 16 frames a CSM setting (median)")
     ap.add_argument("--steps", type=int, default=256, help="timed decode steps a text setting")
@@ -245,7 +249,7 @@ def main() -> int:
     from realtime.kernels import decode_stack_cuda as dsc
 
     if args.settings is None:  # off and the default, alternating
-        args.settings = [(0, 2, None, 0), (None, 2, None, None)] * 2
+        args.settings = [parse_setting("0:2@0+0"), parse_setting("auto:2")] * 2
     res = {"part": args.part, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit(),
            "date": time.strftime("%Y-%m-%d"), "inflight_default": dsc.INFLIGHT, "rows": []}
     (run_csm if args.part == "csm" else run_text)(args, res)

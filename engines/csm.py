@@ -58,6 +58,9 @@ _EOS_TEXT = "<|end_of_text|>"
 # (2026-12-07, both stacks, alternating): 197.0 -> 199.4 / 199.6 / 198.9 / 197.7 / 189.9 frames/s
 # at 2 / 4 / 6 / 8 / 16 ahead.
 _L2_AHEAD = 4
+# No burst of copies in flight (decode_stack_cuda's ``burst``; text takes 3): H100 (2026-12-07, both
+# stacks, alternating) 201.3 / 200.8 frames/s off, 198.9 / 198.6 at 3, 194.7 / 194.6 at 4.
+_BURST = 0
 
 
 @dataclass(frozen=True)
@@ -677,13 +680,15 @@ class CSM(nn.Module):
         streams evict_first, so that its step does not push them out. k: REALTIME_STACK_L2_KEEP,
         or ``auto_l2_keep`` for this GPU where unset; 0: no L2 hints (nothing set aside). Both
         stacks also prefetch ``_L2_AHEAD`` stages past a full ring (REALTIME_STACK_L2_AHEAD
-        overrides it at the launch)."""
+        overrides it at the launch), and take no burst of copies in flight (``_BURST``;
+        REALTIME_STACK_BURST overrides it)."""
         from realtime.kernels import decode_stack_cuda as dsc
 
         w = self.depth.stack
         for st in (w, self.backbone.stack):
             if st is not None:
                 st.l2_ahead = _L2_AHEAD
+                st.burst = _BURST
         k = dsc.L2_KEEP
         if k == 0:
             w.l2_keep = 0

@@ -745,6 +745,8 @@ class StackWeights:
     l2_keep: int | None = None
     # its L2 prefetches past a full ring (decode_stack_cuda's ``ahead``; None: its default)
     l2_ahead: int | None = None
+    # its copies in flight while the consumers are close behind (decode_stack_cuda's ``burst``; None: its default)
+    burst: int | None = None
 
     @property
     def head_dim(self) -> int:

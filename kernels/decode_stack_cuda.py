@@ -36,7 +36,7 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT", "BURST",
+           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT", "BURST", "BURST_DEFAULT", "burst_of",
            "auto_l2_keep", "keep_set_aside", "l2_sizes"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
@@ -68,11 +68,6 @@ def _inflight_env() -> int:
 
 
 INFLIGHT = _inflight_env()
-# More copies in flight while an SM's consumers are close behind its stream (Params::burst in the
-# .cu: they wait on bytes, not on a hand-over, so no poll is queued behind the extra copies):
-# REALTIME_STACK_BURST=n (0, the default: INFLIGHT always). An experiment for the H200, whose
-# faster memory may want more bytes in flight than INFLIGHT's 2 copies (4.3 MB over 132 SMs).
-BURST = _count_env("REALTIME_STACK_BURST", 0, "off")
 # L2 hints on the weight copies (Params::keep in the .cu; they change no result). By default every
 # stack streams its weights evict_first, so that a step's stream does not push the KV cache and
 # the hand-overs out of L2, and the CSM engine keeps every k-th 16 KB stage of its depth decoder's
@@ -95,6 +90,14 @@ L2_KEEP = _auto_count_env("REALTIME_STACK_L2_KEEP", "no L2 hints")
 # 199.4 / 199.6 / 198.9 / 197.7 / 189.9 frames/s at 2 / 4 / 6 / 8 / 16 (the engine takes 4).
 L2_AHEAD = _auto_count_env("REALTIME_STACK_L2_AHEAD", "no prefetches")
 L2_AHEAD_DEFAULT = 12
+# More copies in flight while an SM's consumers are close behind its stream (Params::burst in the
+# .cu: they wait on bytes, not on a hand-over, so fewer polls queue behind the extra copies; no
+# result changes). A stack's ``burst`` (None: BURST_DEFAULT) sets it; REALTIME_STACK_BURST=n sets it
+# for every stack (0: off, INFLIGHT always; unset or "auto": the stacks' own). H100 (2026-12-07,
+# same calls, alternating, 2 in flight): text 995-997 -> 1,008-1,009 tok/s at 3 (four pairs), 990
+# -> 991 / 952 at 4 / 6; CSM (both stacks) 201.1 -> 198.8 / 194.7 frames/s at 3 / 4 (it takes 0).
+BURST = _auto_count_env("REALTIME_STACK_BURST", "off")
+BURST_DEFAULT = 3
 # The most of L2 that the kept stages take: on an H100 (50 MiB L2, 32.8 MB persisting at most)
 # k = 7, 8, 10, 12, 16 gave 197.3, 196.9, 198.7, 198.8, 197.7 frames/s (19 % to 53 % of L2 kept)
 L2_KEEP_SHARE = 0.36
@@ -371,9 +374,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     the weight copies, 0 none, k > 0 every k-th stage of the layers evict_last and the rest
     evict_first, < 0 all evict_first (results are the same). ``ahead``: while an SM's ring is full, up
     to that many of its next stages are asked into L2 (0: none; results are the same); default
-    ``L2_AHEAD`` where set, else the stack's ``l2_ahead``, else ``L2_AHEAD_DEFAULT``. ``burst`` (default
-    ``BURST``; 0 or <= ``inflight``: off): the cap on copies in flight while the SM's consumers are
-    close behind its stream (results are the same).
+    ``L2_AHEAD`` where set, else the stack's ``l2_ahead``, else ``L2_AHEAD_DEFAULT``. ``burst``: the
+    cap on copies in flight while the SM's consumers are close behind its stream (0 or at most
+    ``inflight``: off; results are the same); default ``burst_of(w)``.
 
     ``x_index`` (int64 [1] on the GPU): ``x`` is then a table [rows, DIM] (an embedding) and the
     step's input its row ``x_index[0] + x_offset``, read by the kernel (clamped into the table).
@@ -465,7 +468,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     kp = keep if keep is not None else w.l2_keep if w.l2_keep is not None else (0 if L2_KEEP == 0 else -1)
     pf = next(a for a in (ahead, L2_AHEAD, w.l2_ahead, L2_AHEAD_DEFAULT) if a is not None)
     check(0 <= pf <= 1 << 20, f"ahead must be a count of stages >= 0, got {pf}")
-    bu = BURST if burst is None else burst
+    bu = burst_of(w, burst)
     check(0 <= bu <= 1 << 20, f"burst must be a count of copies >= 0, got {bu}")
     n = (ctypes.c_int * 19)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
                             nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp), int(pf), int(bu))
@@ -475,6 +478,12 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     if sample is not None:
         return out, logits, token
     return out if logits is None else (out, logits)
+
+
+def burst_of(w, burst: int | None = None) -> int:  # noqa: ANN001
+    """The ``burst`` a launch of stack ``w`` takes: ``burst`` where given, else ``BURST`` where set,
+    else the stack's ``burst``, else ``BURST_DEFAULT``."""
+    return next(b for b in (burst, BURST, w.burst, BURST_DEFAULT) if b is not None)
 
 
 def errors(w) -> int:  # noqa: ANN001

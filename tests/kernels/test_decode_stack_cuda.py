@@ -135,12 +135,12 @@ def test_refuses_what_it_does_not_take() -> None:
     ("INFLIGHT", "-1", "!must be a count"), ("L2_KEEP", "", "None"), ("L2_KEEP", " Auto", "None"),
     ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count"), ("L2_AHEAD", "", "None"),
     ("L2_AHEAD", "auto", "None"), ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "0", "0"), ("L2_AHEAD", "x", "!must be a count"),
-    ("BURST", "", "0"), ("BURST", "4", "4"), ("BURST", "-3", "!must be a count")])
+    ("BURST", "", "None"), ("BURST", "auto", "None"), ("BURST", "4", "4"), ("BURST", "0", "0"), ("BURST", "-3", "!must be a count")])
 def test_stack_counts_from_the_environment(name: str, value: str, want: str) -> None:
     """REALTIME_STACK_INFLIGHT (weight copies in flight an SM), REALTIME_STACK_L2_KEEP (the stages
     L2 keeps; None: auto), REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring; None:
     each stack's own) and REALTIME_STACK_BURST (copies in flight while the consumers are close
-    behind; 0: off) are read at import; a value that is not a count fails the import with a
+    behind; None: each stack's own) are read at import; a value that is not a count fails the import with a
     message naming the variable ("!": the message expected)."""
     env = {**os.environ, f"REALTIME_STACK_{name}": value}
     res = subprocess.run([sys.executable, "-c", f"from realtime.kernels import decode_stack_cuda as d; print(d.{name})"],
@@ -149,6 +149,19 @@ def test_stack_counts_from_the_environment(name: str, value: str, want: str) -> 
     out = res.stdout.strip() if res.returncode == 0 else res.stderr
     assert (want[1:] in out and f"REALTIME_STACK_{name}" in out) if fails else out == want, out[-400:]
     assert (res.returncode != 0) == fails
+
+
+def test_burst_of_takes_the_call_then_the_environment_then_the_stack(monkeypatch) -> None:
+    """A launch's burst (copies in flight while the consumers are close behind): the call's, else
+    REALTIME_STACK_BURST's where set, else the stack's own, else BURST_DEFAULT (3, text's measured best)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(dsc, "BURST", None)
+    assert dsc.burst_of(SimpleNamespace(burst=None)) == dsc.BURST_DEFAULT == 3
+    assert dsc.burst_of(SimpleNamespace(burst=0)) == 0  # (CSM's stacks)
+    assert dsc.burst_of(SimpleNamespace(burst=0), 5) == 5
+    monkeypatch.setattr(dsc, "BURST", 4)
+    assert dsc.burst_of(SimpleNamespace(burst=0)) == 4 and dsc.burst_of(SimpleNamespace(burst=0), 0) == 0
 
 
 @pytest.mark.parametrize("layer_bytes, l2, most, want", [
@@ -277,7 +290,7 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
     dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40),
     dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),
     dict(ahead=0), dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3),
-    dict(burst=4), dict(burst=3, inflight=1), dict(burst=6, ahead=0)], ids=repr)  # (default: keep -1, ahead 12, burst 0)
+    dict(burst=4), dict(burst=0), dict(burst=3, inflight=1), dict(burst=6, ahead=0)], ids=repr)  # (default: keep -1, ahead 12, burst 3)
 def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: dict) -> None:
     """Which SM computes a row, how many weight copies fly at once, how long a poll backs off and
     which copies L2 keeps or is asked for ahead change nothing in a row's arithmetic: the step
