@@ -213,7 +213,7 @@ def plot(runs: list[dict], path: str) -> None:
         ax.set_ylim(lo * 0.97, max(max(v) for v in groups.values()) * 1.01)
         ax.set_ylabel("frames/s, batch 1" if csm else "tok/s, batch 1, read each step")
         name = "CSM-1B" if csm else "text, Llama-3.2-1B shapes"
-        ax.set_title(f"{name} ({res['gpu']}): the stack's L2 settings", fontsize=9)
+        ax.set_title(f"{name} ({res['gpu']}): the stack's copy settings", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"wrote {path}")

@@ -8,9 +8,10 @@
 //     q|k|v, o, gate|up and down, layer after layer) and copies each 16 KB piece into a ring of
 //     shared-memory stages with bulk copies (cp.async.bulk, completion on an mbarrier). It waits
 //     for a free stage and keeps at most `inflight` copies outstanding (`burst` while its consumers
-//     are close behind it; the other stages hold received bytes), never for activations: while the consumers wait for the other SMs (a
-//     phase boundary, the attention), the SM's share of the HBM keeps streaming. When the ring
-//     is full it asks L2 for the next stages instead (Params::ahead), so that the HBM streams on.
+//     are close behind it; the other stages hold received bytes), never for activations: while
+//     the consumers wait for the other SMs (a phase boundary, the attention), the SM's share of
+//     the HBM keeps streaming. When the ring is full it asks L2 for the next stages instead
+//     (Params::ahead), so that the HBM streams on.
 //   * The phases hand their rows over as LL words (see Params): a consumer polls the rows it
 //     needs, not a counter and then the rows, so a hand-over costs one round trip to L2, not two.
 //     The attention polls only its kv head's q|k|v rows, split 0 of a kv head polls the other
