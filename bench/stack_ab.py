@@ -13,7 +13,7 @@ hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE
 backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages every stack prefetches
 into L2 past a full ring (without @: each stack's default, 12 for text and 4 for CSM; 0: none);
 BURST the copies in flight an SM while its consumers are close behind its stream (without +:
-each stack's default, 3 for text and 0 for CSM; 0: off).
+each stack's default, 3 for text and 0 for CSM; 0: off; for CSM also DEPTH/BACKBONE, one a stack).
 Every CSM setting's first frames are checked against the first setting's codes, and every text
 setting's tokens against the first's (none of these settings changes a result). Prints a table,
 writes JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots
@@ -37,18 +37,18 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, int | None]:
+def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, int | tuple | None]:
     """KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] -> (keep, inflight, backbone, ahead, burst); KEEP
     "auto" (None): the engine's k; AHEAD: stages prefetched into L2 past a full ring (None, without
     @: the stacks' default; 0: none); BURST: copies in flight while the consumers are close behind
-    the stream (None, without +: the default)."""
+    the stream (None, without +: the default; CSM's "D/B": the depth stack's D, the backbone's B)."""
     text, *found = re.split(r"(?=[@+])", text.strip())  # KEEP:INFLIGHT[:BACKBONE], then "@4", "+3"
     suffix = {s[0]: s[1:] for s in found}
     if len(suffix) < len(found):
         raise argparse.ArgumentTypeError(f"a setting takes one @AHEAD and one +BURST at most, got {text + ''.join(found)!r}")
     ahead, burst = suffix.get("@"), suffix.get("+")
-    if burst is not None and not burst.isdigit():
-        raise argparse.ArgumentTypeError(f"BURST (after +) is a count of copies, got {burst!r}")
+    if burst is not None and not re.fullmatch(r"\d+(/\d+)?", burst):
+        raise argparse.ArgumentTypeError(f"BURST (after +) is a count of copies (CSM: or DEPTH/BACKBONE), got {burst!r}")
     if ahead is not None and not ahead.isdigit():
         raise argparse.ArgumentTypeError(f"AHEAD (after @) is a count of stages, got {ahead!r}")
     parts = text.split(":")
@@ -58,7 +58,8 @@ def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, i
         raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (integers, KEEP may be auto, "
                                          f"INFLIGHT >= 0), got {text!r}")
     return ((None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None,
-            None if ahead is None else int(ahead), None if burst is None else int(burst))
+            None if ahead is None else int(ahead),
+            None if burst is None else tuple(map(int, burst.split("/"))) if "/" in burst else int(burst))
 
 
 def ahead_s(ahead: int | None) -> str:
@@ -103,9 +104,15 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
             b.frame_step(slots, temp, top_k, seeds)
 
     first = None
-    burst0 = dsc.BURST
+    burst0, own = dsc.BURST, (w.burst, csm.backbone.stack.burst)  # (the engine's: see engines/csm.py)
     for keep, inflight, backbone, ahead, burst in args.settings:
         keep = res["auto_keep"] if keep is None else keep
+        if isinstance(burst, tuple):  # DEPTH/BACKBONE: the stacks' own, for this setting
+            if burst0 is not None:
+                raise SystemExit("REALTIME_STACK_BURST is set: it would override a setting's DEPTH/BACKBONE")
+            (w.burst, csm.backbone.stack.burst), burst = burst, None
+        else:
+            w.burst, csm.backbone.stack.burst = own
         w.l2_keep = keep
         csm.backbone.stack.l2_keep = backbone if backbone is not None else (-1 if keep else 0)
         set_aside = dsc.persist_l2(dev, dsc.keep_set_aside(layers, keep) if keep > 0 else 0)
@@ -153,6 +160,8 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
         first = None
         burst0 = dsc.BURST
         for keep, inflight, _, ahead, burst in args.settings:
+            if isinstance(burst, tuple):
+                raise SystemExit("+DEPTH/BACKBONE is for CSM's two stacks; text takes +BURST")
             keep = -1 if keep is None else keep  # (auto: the text stack's default, evict_first)
             dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
             model.transformer.stack.l2_keep = keep
@@ -176,8 +185,9 @@ def label(row: dict) -> str:
         name += f"\n{row['inflight']} in flight"
     if row.get("ahead") is not None:
         name += f"\n{row['ahead']} ahead"
-    if row.get("burst", 0) > row["inflight"]:
-        name += f"\nburst {row['burst']}"
+    if row.get("burst", 0) > row["inflight"] or row.get("backbone_burst", 0) > row["inflight"]:
+        bb_b = row.get("backbone_burst", row["burst"])
+        name += f"\nburst {row['burst']}" + (f"/{bb_b}" if bb_b != row["burst"] else "")
     if bb is not None and bb != (-1 if k else 0):
         name += "\nbackbone " + ("no hints" if bb == 0 else "evict_first")
     return name
@@ -186,7 +196,7 @@ def label(row: dict) -> str:
 def _order(row: dict) -> tuple:
     k, bb = row["keep"], row.get("backbone_keep")
     ahead = row.get("ahead")
-    return (row["inflight"], row.get("burst", 0), -1 if ahead is None else ahead, 0 if k == 0 else 1 if k < 0 else 2, -k,
+    return (row["inflight"], row.get("burst", 0), row.get("backbone_burst", 0), -1 if ahead is None else ahead, 0 if k == 0 else 1 if k < 0 else 2, -k,
             bb is not None and bb != (-1 if k else 0))
 
 

@@ -631,6 +631,9 @@ def test_stack_ab_reads_settings_and_plots_recorded_runs(tmp_path) -> None:
     res = subprocess.run([sys.executable, str(script), "text", "--settings", "-1:2@4+x"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "BURST (after +) is a count" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "csm", "--settings", "auto:2+0/x"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "DEPTH/BACKBONE" in res.stderr
     rows = [{"keep": k, "inflight": 2, "backbone_keep": -1 if k else 0, "frames_per_s": f} for k, f in
             ((0, 192.9), (12, 198.2), (0, 192.4), (12, 198.1), (-1, 196.7))] + [
         {"keep": 12, "inflight": 2, "ahead": 8, "backbone_keep": -1, "frames_per_s": 199.0},
