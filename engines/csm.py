@@ -59,7 +59,8 @@ _EOS_TEXT = "<|end_of_text|>"
 # at 2 / 4 / 6 / 8 / 16 ahead.
 _L2_AHEAD = 4
 # No burst of copies in flight (decode_stack_cuda's ``burst``; text takes 3): H100 (2026-12-07, both
-# stacks, alternating) 201.3 / 200.8 frames/s off, 198.9 / 198.6 at 3, 194.7 / 194.6 at 4.
+# stacks, alternating) 201.3 / 200.8 frames/s off, 198.9 / 198.6 at 3, 194.7 / 194.6 at 4; each
+# stack alone at 3 (another H100): backbone 201.5 / 201.1, depth 198.3 / 198.8, against 200.6 / 201.2.
 _BURST = 0
 
 
