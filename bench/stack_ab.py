@@ -7,9 +7,9 @@ bench/csm_engine.py builds it) at batch 1, sampled, or text decode at Llama-3.2-
   REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2@0 12:2 0:2@0 12:2
   REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings -1:2@0+0 -1:2 -1:2@0+0 -1:2
 
-A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (@ and + in either order). KEEP is the depth stack's ``l2_keep`` for CSM (k > 0:
-every k-th stage kept in a persisting L2 set aside for it, -1: every stage evict_first, 0: no
-hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
+A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (@ and + in either order). KEEP is the
+depth stack's ``l2_keep`` for CSM (k > 0: every k-th stage kept in a persisting L2 set aside for
+it, -1: every stage evict_first, 0: no hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
 backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages every stack prefetches
 into L2 past a full ring (without @: each stack's default, 12 for text and 4 for CSM; 0: none);
 BURST the copies in flight an SM while its consumers are close behind its stream (without +:
@@ -196,8 +196,8 @@ def label(row: dict) -> str:
 def _order(row: dict) -> tuple:
     k, bb = row["keep"], row.get("backbone_keep")
     ahead = row.get("ahead")
-    return (row["inflight"], row.get("burst", 0), row.get("backbone_burst", 0), -1 if ahead is None else ahead, 0 if k == 0 else 1 if k < 0 else 2, -k,
-            bb is not None and bb != (-1 if k else 0))
+    return (row["inflight"], row.get("burst", 0), row.get("backbone_burst", 0), -1 if ahead is None else ahead,
+            0 if k == 0 else 1 if k < 0 else 2, -k, bb is not None and bb != (-1 if k else 0))
 
 
 def plot(runs: list[dict], path: str) -> None:
