@@ -7,13 +7,14 @@ bench/csm_engine.py builds it) at batch 1, sampled, or text decode at Llama-3.2-
   REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2@0 12:2 0:2@0 12:2
   REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings -1:2@0+0 -1:2 -1:2@0+0 -1:2
 
-A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (@ and + in either order). KEEP is the
-depth stack's ``l2_keep`` for CSM (k > 0: every k-th stage kept in a persisting L2 set aside for
-it, -1: every stage evict_first, 0: no hints) or the text stack's; INFLIGHT the weight copies in flight an SM; BACKBONE (CSM) the
-backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages every stack prefetches
-into L2 past a full ring (without @: each stack's default, 12 for text and 4 for CSM; 0: none);
-BURST the copies in flight an SM while its consumers are close behind its stream (without +:
-each stack's default, 3 for text and 0 for CSM; 0: off; for CSM also DEPTH/BACKBONE, one a stack).
+A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (@ and + in either order). KEEP is the depth
+stack's ``l2_keep`` for CSM (k > 0: every k-th stage kept in a persisting L2 set aside for it, -1:
+every stage evict_first, 0: no hints) or the text stack's; INFLIGHT the weight copies in flight an
+SM; BACKBONE (CSM) the backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages
+every stack prefetches into L2 past a full ring (without @: each stack's default, 12 for text and
+4 for CSM; 0: none); BURST the copies in flight an SM while its consumers are close behind its
+stream (without +: each stack's default, 3 for text and 0 for CSM; 0: off; for CSM also
+DEPTH/BACKBONE, one a stack).
 Every CSM setting's first frames are checked against the first setting's codes, and every text
 setting's tokens against the first's (none of these settings changes a result). Prints a table,
 writes JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots
