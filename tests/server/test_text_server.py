@@ -207,10 +207,17 @@ def test_cancel_frees_the_slot_and_the_connection_goes_on(live, pipelined) -> No
     (the CUDA default), where the cancelled reply may still have a step in flight on its slot."""
     url = f"{live.ws}/v1/text"
     sched = live.state.scheduler
-    free0 = live.svc.prefill_lane.pool.available()
     lane = live.svc.decode_lane
 
+    async def idle() -> None:  # no stream left on the scheduler (an earlier test's is reaped lazily)
+        t0 = time.monotonic()
+        while sched.active and time.monotonic() - t0 < 2.0:
+            await asyncio.sleep(0.005)
+
     async def go():  # noqa: ANN202
+        await idle()
+        assert sched.active == 0
+        free0 = live.svc.prefill_lane.pool.available()
         async with websockets.connect(url) as ws:
             await ws.send(json.dumps({"type": "start", "prompt": "Once upon a time", "temperature": 0.8,
                                       "seed": 1, "max_tokens": 200}))
@@ -222,9 +229,7 @@ def test_cancel_frees_the_slot_and_the_connection_goes_on(live, pipelined) -> No
                 pass
             assert msg["type"] == "done" and msg["finish_reason"] == "cancelled", msg
             assert msg["usage"]["completion_tokens"] < 200
-            t0 = time.monotonic()
-            while sched.active and time.monotonic() - t0 < 2.0:
-                await asyncio.sleep(0.005)
+            await idle()
             # reaped before the next step: at most one step (~tens of ms here) after the cancel
             assert sched.active == 0 and live.svc.prefill_lane.pool.available() == free0
             await ws.send(json.dumps({"type": "cancel"}))  # late cancel: ignored
