@@ -7,14 +7,15 @@ bench/csm_engine.py builds it) at batch 1, sampled, or text decode at Llama-3.2-
   REALTIME_STACK=csm REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py csm --settings 0:2@0 12:2 0:2@0 12:2
   REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda python3 bench/stack_ab.py text --settings -1:2@0+0 -1:2 -1:2@0+0 -1:2
 
-A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (@ and + in either order). KEEP is the depth
+A setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST][~BACKOFF] (the suffixes in any order). KEEP is the depth
 stack's ``l2_keep`` for CSM (k > 0: every k-th stage kept in a persisting L2 set aside for it, -1:
 every stage evict_first, 0: no hints) or the text stack's; INFLIGHT the weight copies in flight an
 SM; BACKBONE (CSM) the backbone's ``l2_keep`` (default: -1 where KEEP is not 0); AHEAD the stages
 every stack prefetches into L2 past a full ring (without @: each stack's default, 12 for text and
 4 for CSM; 0: none); BURST the copies in flight an SM while its consumers are close behind its
 stream (without +: each stack's default, 3 for text and 0 for CSM; 0: off; for CSM also
-DEPTH/BACKBONE, one a stack).
+DEPTH/BACKBONE, one a stack); BACKOFF the ns a poll sleeps after a word not yet written (without ~:
+each stack's default; 0: none; for CSM also DEPTH/BACKBONE).
 Every CSM setting's first frames are checked against the first setting's codes, and every text
 setting's tokens against the first's (none of these settings changes a result). Prints a table,
 writes JSON, and with --plot a bar chart. ``--from-json A.json B.json --plot X.png`` plots
@@ -38,29 +39,38 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, int | tuple | None]:
-    """KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] -> (keep, inflight, backbone, ahead, burst); KEEP
-    "auto" (None): the engine's k; AHEAD: stages prefetched into L2 past a full ring (None, without
-    @: the stacks' default; 0: none); BURST: copies in flight while the consumers are close behind
-    the stream (None, without +: the default; CSM's "D/B": the depth stack's D, the backbone's B)."""
-    text, *found = re.split(r"(?=[@+])", text.strip())  # KEEP:INFLIGHT[:BACKBONE], then "@4", "+3"
+def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, int | tuple | None, int | tuple | None]:
+    """KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST][~BACKOFF] -> (keep, inflight, backbone, ahead, burst,
+    backoff); KEEP "auto" (None): the engine's k; AHEAD: stages prefetched into L2 past a full ring
+    (None, without @: the stacks' default; 0: none); BURST: copies in flight while the consumers
+    are close behind the stream (None, without +: the default; CSM's "D/B": the depth stack's D,
+    the backbone's B); BACKOFF: ns a poll sleeps after a word not yet written (None, without ~:
+    the default; CSM's "D/B" as BURST's)."""
+    text, *found = re.split(r"(?=[@+~])", text.strip())  # KEEP:INFLIGHT[:BACKBONE], then "@4", "+3", "~200"
     suffix = {s[0]: s[1:] for s in found}
     if len(suffix) < len(found):
-        raise argparse.ArgumentTypeError(f"a setting takes one @AHEAD and one +BURST at most, got {text + ''.join(found)!r}")
-    ahead, burst = suffix.get("@"), suffix.get("+")
+        raise argparse.ArgumentTypeError(f"a setting takes one @AHEAD, one +BURST and one ~BACKOFF at most, "
+                                         f"got {text + ''.join(found)!r}")
+    ahead, burst, backoff = suffix.get("@"), suffix.get("+"), suffix.get("~")
     if burst is not None and not re.fullmatch(r"\d+(/\d+)?", burst):
         raise argparse.ArgumentTypeError(f"BURST (after +) is a count of copies (CSM: or DEPTH/BACKBONE), got {burst!r}")
+    if backoff is not None and not re.fullmatch(r"\d+(/\d+)?", backoff):
+        raise argparse.ArgumentTypeError(f"BACKOFF (after ~) is ns (CSM: or DEPTH/BACKBONE), got {backoff!r}")
     if ahead is not None and not ahead.isdigit():
         raise argparse.ArgumentTypeError(f"AHEAD (after @) is a count of stages, got {ahead!r}")
     parts = text.split(":")
     ok = 2 <= len(parts) <= 3 and all(p.lstrip("-").isdigit() for p in parts[1:])
     ok = ok and (parts[0] == "auto" or parts[0].lstrip("-").isdigit())
     if not ok or int(parts[1]) < 0:
-        raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] (integers, KEEP may be auto, "
+        raise argparse.ArgumentTypeError(f"a setting is KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST][~BACKOFF] (integers, KEEP may be auto, "
                                          f"INFLIGHT >= 0), got {text!r}")
     return ((None if parts[0] == "auto" else int(parts[0])), int(parts[1]), int(parts[2]) if len(parts) == 3 else None,
             None if ahead is None else int(ahead),
-            None if burst is None else tuple(map(int, burst.split("/"))) if "/" in burst else int(burst))
+            _count_or_pair(burst), _count_or_pair(backoff))
+
+
+def _count_or_pair(v: str | None) -> int | tuple | None:
+    return None if v is None else tuple(map(int, v.split("/"))) if "/" in v else int(v)
 
 
 def ahead_s(ahead: int | None) -> str:
@@ -106,7 +116,8 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
 
     first = None
     burst0, own = dsc.BURST, (w.burst, csm.backbone.stack.burst)  # (the engine's: see engines/csm.py)
-    for keep, inflight, backbone, ahead, burst in args.settings:
+    backoff0, own_bo = dsc.BACKOFF, (w.backoff, csm.backbone.stack.backoff)
+    for keep, inflight, backbone, ahead, burst, backoff in args.settings:
         keep = res["auto_keep"] if keep is None else keep
         if isinstance(burst, tuple):  # DEPTH/BACKBONE: the stacks' own, for this setting
             if burst0 is not None:
@@ -114,11 +125,19 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
             (w.burst, csm.backbone.stack.burst), burst = burst, None
         else:
             w.burst, csm.backbone.stack.burst = own
+        if isinstance(backoff, tuple):
+            if backoff0 is not None:
+                raise SystemExit("REALTIME_STACK_BACKOFF is set: it would override a setting's DEPTH/BACKBONE")
+            (w.backoff, csm.backbone.stack.backoff), backoff = backoff, None
+        else:
+            w.backoff, csm.backbone.stack.backoff = own_bo
+        dsc.BACKOFF = backoff0 if backoff is None else backoff
         w.l2_keep = keep
         csm.backbone.stack.l2_keep = backbone if backbone is not None else (-1 if keep else 0)
         set_aside = dsc.persist_l2(dev, dsc.keep_set_aside(layers, keep) if keep > 0 else 0)
         dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
         bursts = (dsc.burst_of(w), dsc.burst_of(csm.backbone.stack))
+        backoffs = (dsc.backoff_of(w), dsc.backoff_of(csm.backbone.stack))
         b.step_graphs = csm.capture_step(b.state, sizes=[1])  # the hints and the count are in the launch
         restart()
         codes = torch.stack([b.frame_step(slots, temp, top_k, seeds) for _ in range(6)])
@@ -127,17 +146,20 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
         frames(4)
         ts = ce.cuda_time(frames, args.repeats)
         row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": bursts[0], "backbone_burst": bursts[1],
+               "backoff": backoffs[0], "backbone_backoff": backoffs[1],
                "backbone_keep": csm.backbone.stack.l2_keep,
                "set_aside": set_aside,
                "frames_per_s": 16 / statistics.median(ts), "frames_per_s_each": [16 / t for t in ts],
                "same_codes": bool(torch.equal(codes, first)), "poll_errors": dsc.errors(w)}
         res["rows"].append(row)
         log(f"keep {keep:3d}, backbone {row['backbone_keep']:2d}, {inflight} in flight (burst {bursts[0]}/{bursts[1]}), "
+            f"back-off {backoffs[0]}/{backoffs[1]} ns, "
             f"{ahead_s(ahead)} ahead, "
             f"set aside {set_aside / 1e6:5.1f} MB:"
             f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
             f" same codes {row['same_codes']}")
     dsc.persist_l2(dev, 0)
+    dsc.BACKOFF = backoff0
 
 
 def run_text(args, res: dict) -> None:  # noqa: ANN001
@@ -159,14 +181,16 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
         if model.transformer.stack is None:
             raise SystemExit("the CUDA stack is off: set REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda")
         first = None
-        burst0 = dsc.BURST
-        for keep, inflight, _, ahead, burst in args.settings:
-            if isinstance(burst, tuple):
-                raise SystemExit("+DEPTH/BACKBONE is for CSM's two stacks; text takes +BURST")
+        burst0, backoff0 = dsc.BURST, dsc.BACKOFF
+        for keep, inflight, _, ahead, burst, backoff in args.settings:
+            if isinstance(burst, tuple) or isinstance(backoff, tuple):
+                raise SystemExit("DEPTH/BACKBONE is for CSM's two stacks; text takes +BURST and ~BACKOFF")
+            dsc.BACKOFF = backoff0 if backoff is None else backoff
             keep = -1 if keep is None else keep  # (auto: the text stack's default, evict_first)
             dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
             model.transformer.stack.l2_keep = keep
-            row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.burst_of(model.transformer.stack)}
+            row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.burst_of(model.transformer.stack),
+                   "backoff": dsc.backoff_of(model.transformer.stack)}
             for pipelined in (False, True):  # each builds its decoder, and so captures its graphs
                 tps, toks = tb.ours_tokens_per_s(model, 1, 128, args.steps, True, 0.0, 128 + args.steps + 8, None,
                                                  pipelined)
@@ -174,7 +198,8 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
                 first = toks if first is None else first
                 row["same_tokens" if not pipelined else "same_tokens_pipelined"] = toks == first
             res["rows"].append(row)
-            log(f"keep {keep:3d}, {inflight} in flight (burst {row['burst']}), {ahead_s(ahead)} ahead: "
+            log(f"keep {keep:3d}, {inflight} in flight (burst {row['burst']}, back-off {row['backoff']} ns), "
+                f"{ahead_s(ahead)} ahead: "
                 f"{row['graph_tok_s']:6.0f} tok/s read each step, "
                 f"{row['pipelined_tok_s']:6.0f} pipelined, same tokens {row['same_tokens'] and row['same_tokens_pipelined']}")
 
@@ -189,6 +214,9 @@ def label(row: dict) -> str:
     if row.get("burst", 0) > row["inflight"] or row.get("backbone_burst", 0) > row["inflight"]:
         bb_b = row.get("backbone_burst", row["burst"])
         name += f"\nburst {row['burst']}" + (f"/{bb_b}" if bb_b != row["burst"] else "")
+    if row.get("backoff", 0) or row.get("backbone_backoff", 0):
+        bb_o = row.get("backbone_backoff", row["backoff"])
+        name += f"\npolls sleep {row['backoff']}" + (f"/{bb_o}" if bb_o != row["backoff"] else "") + " ns"
     if bb is not None and bb != (-1 if k else 0):
         name += "\nbackbone " + ("no hints" if bb == 0 else "evict_first")
     return name
@@ -197,7 +225,8 @@ def label(row: dict) -> str:
 def _order(row: dict) -> tuple:
     k, bb = row["keep"], row.get("backbone_keep")
     ahead = row.get("ahead")
-    return (row["inflight"], row.get("burst", 0), row.get("backbone_burst", 0), -1 if ahead is None else ahead,
+    return (row["inflight"], row.get("burst", 0), row.get("backbone_burst", 0), row.get("backoff", 0),
+            row.get("backbone_backoff", 0), -1 if ahead is None else ahead,
             0 if k == 0 else 1 if k < 0 else 2, -k, bb is not None and bb != (-1 if k else 0))
 
 
@@ -234,7 +263,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=["csm", "text"])
     ap.add_argument("--settings", type=parse_setting, nargs="+", default=None,
-                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST] ... (default: 0:2@0+0 auto:2 0:2@0+0 auto:2, off and the "
+                    help="KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST][~BACKOFF] ... (default: 0:2@0+0~0 auto:2 0:2@0+0~0 auto:2, "
+                         "off and the "
                          "default, alternating)")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs of 16 frames a CSM setting (median)")
     ap.add_argument("--steps", type=int, default=256, help="timed decode steps a text setting")
@@ -260,7 +290,7 @@ def main() -> int:
     from realtime.kernels import decode_stack_cuda as dsc
 
     if args.settings is None:  # off and the default, alternating
-        args.settings = [parse_setting("0:2@0+0"), parse_setting("auto:2")] * 2
+        args.settings = [parse_setting("0:2@0+0~0"), parse_setting("auto:2")] * 2
     res = {"part": args.part, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit(),
            "date": time.strftime("%Y-%m-%d"), "inflight_default": dsc.INFLIGHT, "rows": []}
     (run_csm if args.part == "csm" else run_text)(args, res)

@@ -237,6 +237,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         + (", every SM attends to all the heads" if every else ""))
     if args.inflight_scan:  # copies in flight an SM: the memory's latency times its bandwidth
         variants += [dict(inflight=n) for n in args.inflight_scan]
+    if args.backoff_scan:  # polls that sleep before they poll again: less L2 traffic beside the stream
+        variants += [dict(backoff=n) for n in args.backoff_scan]
     if args.stage_scan:  # the ring's size: as many stages as fit, then fewer
         variants += [dict(stages=n) for n in (most - 1, most - 2, most - 4) if n >= 2]
     for kw in variants:
@@ -370,6 +372,8 @@ def main() -> int:
     ap.add_argument("--inflight-scan", type=int, nargs="+", default=None, metavar="N",
                     help="CUDA stack rows with N weight copies in flight an SM (0: the whole ring), "
                          "and the stream alone (probe mode 2) at each")
+    ap.add_argument("--backoff-scan", type=int, nargs="+", default=None, metavar="NS",
+                    help="CUDA stack rows with the polls sleeping NS ns after a word not yet written (Params::backoff)")
     ap.add_argument("--stage-scan", action="store_true",
                     help="CUDA stack rows with 1, 2 and 4 ring stages fewer than fit")
     ap.add_argument("--no-cuda", action="store_true", help="no rows for the CUDA C++ stack (kernels/decode_stack_cuda.py)")

@@ -62,6 +62,13 @@ _L2_AHEAD = 4
 # stacks, alternating) 201.3 / 200.8 frames/s off, 198.9 / 198.6 at 3, 194.7 / 194.6 at 4; each
 # stack alone at 3 (another H100): backbone 201.5 / 201.1, depth 198.3 / 198.8, against 200.6 / 201.2.
 _BURST = 0
+# The depth decoder's polls sleep this many ns after a word not yet written (decode_stack_cuda's
+# ``backoff``; the backbone and text take 0): at the depth shapes every SM polls the same q|k|v
+# words, and fewer loads of them in flight let the rows land sooner. H100 (2026-12-07, both runs
+# of each, alternating): 199.9 / 200.8 frames/s off, 202.5 / 202.4 at 200 ns, 201.4 / 202.3 at 50,
+# 202.3 / 203.1 at 400; 200 on the backbone as well gave nothing more (202.5 / 202.2). Text's step
+# lost 0.4-2.3 % at 50-800 ns (stack_probe, same call).
+_DEPTH_BACKOFF = 200
 
 
 @dataclass(frozen=True)
@@ -682,7 +689,8 @@ class CSM(nn.Module):
         or ``auto_l2_keep`` for this GPU where unset; 0: no L2 hints (nothing set aside). Both
         stacks also prefetch ``_L2_AHEAD`` stages past a full ring (REALTIME_STACK_L2_AHEAD
         overrides it at the launch), and take no burst of copies in flight (``_BURST``;
-        REALTIME_STACK_BURST overrides it)."""
+        REALTIME_STACK_BURST overrides it). The depth stack's polls back off ``_DEPTH_BACKOFF`` ns
+        (REALTIME_STACK_BACKOFF overrides it)."""
         from realtime.kernels import decode_stack_cuda as dsc
 
         w = self.depth.stack
@@ -690,6 +698,8 @@ class CSM(nn.Module):
             if st is not None:
                 st.l2_ahead = _L2_AHEAD
                 st.burst = _BURST
+        if w is not None:
+            w.backoff = _DEPTH_BACKOFF
         k = dsc.L2_KEEP
         if k == 0:
             w.l2_keep = 0

@@ -747,6 +747,8 @@ class StackWeights:
     l2_ahead: int | None = None
     # its copies in flight while the consumers are close behind (decode_stack_cuda's ``burst``; None: its default)
     burst: int | None = None
+    # ns its polls sleep after a word not yet written (decode_stack_cuda's ``backoff``; None: its default)
+    backoff: int | None = None
 
     @property
     def head_dim(self) -> int:

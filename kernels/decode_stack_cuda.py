@@ -37,6 +37,7 @@ from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
            "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT", "BURST", "BURST_DEFAULT", "burst_of",
+           "BACKOFF", "BACKOFF_DEFAULT", "backoff_of",
            "auto_l2_keep", "keep_set_aside", "l2_sizes"]
 
 _SRC = Path(__file__).parent / "csrc" / "decode_stack.cu"
@@ -47,7 +48,6 @@ _MAX_PARTS = 1024  # kMaxParts: float partial sums a phase
 _WARPS = 8  # kConsumerWarps: consumer warps a block (one query head each when every SM attends)
 _CONSUMERS = 32 * _WARPS  # kConsumers
 _ROPE_IT = 3  # kRopeIt: rotated (head, pair) items a consumer thread at most
-BACKOFF = 0  # ns a poll sleeps after finding a row not yet handed over
 
 
 def _count_env(name: str, default: int, zero: str) -> int:
@@ -98,6 +98,12 @@ L2_AHEAD_DEFAULT = 12
 # -> 991 / 952 at 4 / 6; CSM (both stacks) 201.1 -> 198.8 / 194.7 frames/s at 3 / 4 (it takes 0).
 BURST = _auto_count_env("REALTIME_STACK_BURST", "off")
 BURST_DEFAULT = 3
+# ns a poll sleeps after it finds a word not yet written (Params::backoff in the .cu: fewer loads of
+# the same words in flight while every SM waits on them; no result changes). A stack's ``backoff``
+# (None: BACKOFF_DEFAULT) sets it; REALTIME_STACK_BACKOFF=ns sets it for every stack (0: none;
+# unset or "auto": the stacks' own).
+BACKOFF = _auto_count_env("REALTIME_STACK_BACKOFF", "no sleep")
+BACKOFF_DEFAULT = 0
 # The most of L2 that the kept stages take: on an H100 (50 MiB L2, 32.8 MB persisting at most)
 # k = 7, 8, 10, 12, 16 gave 197.3, 196.9, 198.7, 198.8, 197.7 frames/s (19 % to 53 % of L2 kept)
 L2_KEEP_SHARE = 0.36
@@ -366,7 +372,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     ``balance`` >= 0 splits every GEMV's rows by weight, that many per mille fewer for the SMs that
     also attend (-1, the default: ``ceil(N / programs)`` rows an SM, as timed; both round to row
     pairs, see ``row_start``). ``backoff``: ns a
-    poll for another SM's rows sleeps before it polls again (default ``BACKOFF``). ``every``: every
+    poll for another SM's rows sleeps before it polls again (default ``backoff_of(w)``). ``every``: every
     SM attends to all the heads and starts its o rows from them, one split (default: where
     ``every_fits`` and ``splits`` is None or 1, unless REALTIME_STACK_EVERY=0); False: the
     attention items (kv head, split) hand the heads over to every SM. ``keep`` (default the
@@ -463,7 +469,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
     fl = INFLIGHT if inflight is None else inflight
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
-    nap = BACKOFF if backoff is None else backoff
+    nap = backoff_of(w, backoff)
     check(0 <= nap <= 100_000, f"backoff is 0..100000 ns, got {nap}")
     kp = keep if keep is not None else w.l2_keep if w.l2_keep is not None else (0 if L2_KEEP == 0 else -1)
     pf = next(a for a in (ahead, L2_AHEAD, w.l2_ahead, L2_AHEAD_DEFAULT) if a is not None)
@@ -484,6 +490,12 @@ def burst_of(w, burst: int | None = None) -> int:  # noqa: ANN001
     """The ``burst`` a launch of stack ``w`` takes: ``burst`` where given, else ``BURST`` where set,
     else the stack's ``burst``, else ``BURST_DEFAULT``."""
     return next(b for b in (burst, BURST, w.burst, BURST_DEFAULT) if b is not None)
+
+
+def backoff_of(w, backoff: int | None = None) -> int:  # noqa: ANN001
+    """The ``backoff`` a launch of stack ``w`` takes: ``backoff`` where given, else ``BACKOFF`` where
+    set, else the stack's ``backoff``, else ``BACKOFF_DEFAULT``."""
+    return next(b for b in (backoff, BACKOFF, w.backoff, BACKOFF_DEFAULT) if b is not None)
 
 
 def errors(w) -> int:  # noqa: ANN001

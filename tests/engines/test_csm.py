@@ -622,6 +622,7 @@ def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refuse
     assert w.l2_keep is None and model.backbone.stack.l2_keep is None  # (the launch's default)
     assert w.l2_ahead is None and model.backbone.stack.l2_ahead is None
     assert w.burst is None and model.backbone.stack.burst is None
+    assert w.backoff is None and model.backbone.stack.backoff is None
     asked: list = []
 
     def persist(device, nbytes):  # noqa: ANN001, ANN202
@@ -643,6 +644,7 @@ def test_depth_stages_kept_in_l2_ask_for_their_bytes(monkeypatch, caplog, refuse
         assert w.l2_keep == k and model.backbone.stack.l2_keep == -1
         assert w.l2_ahead == model.backbone.stack.l2_ahead == 4  # (prefetches past a full ring)
         assert w.burst == model.backbone.stack.burst == 0  # (no burst of copies: it lost for CSM)
+        assert w.backoff == 200 and model.backbone.stack.backoff is None  # (the depth stack's polls sleep)
         assert asked[-1] == layers // k + layers // k // 8 == dsc.keep_set_aside(layers, k)
         assert model.l2_kept == (0 if refused else asked[-1])
         assert ("no persisting L2 set aside" in caplog.text) == refused

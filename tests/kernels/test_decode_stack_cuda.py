@@ -135,12 +135,14 @@ def test_refuses_what_it_does_not_take() -> None:
     ("INFLIGHT", "-1", "!must be a count"), ("L2_KEEP", "", "None"), ("L2_KEEP", " Auto", "None"),
     ("L2_KEEP", "8", "8"), ("L2_KEEP", "0", "0"), ("L2_KEEP", "-2", "!must be a count"), ("L2_AHEAD", "", "None"),
     ("L2_AHEAD", "auto", "None"), ("L2_AHEAD", "6", "6"), ("L2_AHEAD", "0", "0"), ("L2_AHEAD", "x", "!must be a count"),
-    ("BURST", "", "None"), ("BURST", "auto", "None"), ("BURST", "4", "4"), ("BURST", "0", "0"), ("BURST", "-3", "!must be a count")])
+    ("BURST", "", "None"), ("BURST", "auto", "None"), ("BURST", "4", "4"), ("BURST", "0", "0"), ("BURST", "-3", "!must be a count"),
+    ("BACKOFF", "", "None"), ("BACKOFF", "200", "200"), ("BACKOFF", "0", "0"), ("BACKOFF", "2e2", "!must be a count")])
 def test_stack_counts_from_the_environment(name: str, value: str, want: str) -> None:
     """REALTIME_STACK_INFLIGHT (weight copies in flight an SM), REALTIME_STACK_L2_KEEP (the stages
     L2 keeps; None: auto), REALTIME_STACK_L2_AHEAD (stages prefetched past a full ring; None:
     each stack's own) and REALTIME_STACK_BURST (copies in flight while the consumers are close
-    behind; None: each stack's own) are read at import; a value that is not a count fails the import with a
+    behind; None: each stack's own) and REALTIME_STACK_BACKOFF (ns a poll sleeps; None: each stack's
+    own) are read at import; a value that is not a count fails the import with a
     message naming the variable ("!": the message expected)."""
     env = {**os.environ, f"REALTIME_STACK_{name}": value}
     res = subprocess.run([sys.executable, "-c", f"from realtime.kernels import decode_stack_cuda as d; print(d.{name})"],
@@ -162,6 +164,19 @@ def test_burst_of_takes_the_call_then_the_environment_then_the_stack(monkeypatch
     assert dsc.burst_of(SimpleNamespace(burst=0), 5) == 5
     monkeypatch.setattr(dsc, "BURST", 4)
     assert dsc.burst_of(SimpleNamespace(burst=0)) == 4 and dsc.burst_of(SimpleNamespace(burst=0), 0) == 0
+
+
+def test_backoff_of_takes_the_call_then_the_environment_then_the_stack(monkeypatch) -> None:
+    """A launch's poll back-off (ns): the call's, else REALTIME_STACK_BACKOFF's where set, else the
+    stack's own (CSM's depth decoder), else BACKOFF_DEFAULT (0: text's measured best)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(dsc, "BACKOFF", None)
+    assert dsc.backoff_of(SimpleNamespace(backoff=None)) == dsc.BACKOFF_DEFAULT == 0
+    assert dsc.backoff_of(SimpleNamespace(backoff=200)) == 200
+    assert dsc.backoff_of(SimpleNamespace(backoff=200), 0) == 0
+    monkeypatch.setattr(dsc, "BACKOFF", 50)
+    assert dsc.backoff_of(SimpleNamespace(backoff=200)) == 50 and dsc.backoff_of(SimpleNamespace(backoff=None), 7) == 7
 
 
 @pytest.mark.parametrize("layer_bytes, l2, most, want", [
@@ -290,7 +305,10 @@ def test_cuda_stack_step_equals_the_layer_path(cfg: TransformerConfig, prompt: i
     dict(inflight=0), dict(balance=80, inflight=3), dict(backoff=500), dict(backoff=50, balance=40),
     dict(keep=1), dict(keep=3, inflight=4), dict(keep=-1), dict(keep=0),
     dict(ahead=0), dict(ahead=4), dict(ahead=64, inflight=1), dict(ahead=8, keep=3),
-    dict(burst=4), dict(burst=0), dict(burst=3, inflight=1), dict(burst=6, ahead=0)], ids=repr)  # (default: keep -1, ahead 12, burst 3)
+    dict(burst=4), dict(burst=0), dict(burst=3, inflight=1), dict(burst=6, ahead=0),
+    # a burst past the ring (every stage in flight while the consumers are close), then 2 again: the
+    # producer's wait for landed copies must not fall more than the ring behind
+    dict(burst=64)], ids=repr)  # (default: keep -1, ahead 12, burst 3)
 def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: dict) -> None:
     """Which SM computes a row, how many weight copies fly at once, how long a poll backs off and
     which copies L2 keeps or is asked for ahead change nothing in a row's arithmetic: the step
@@ -619,7 +637,7 @@ def test_unknown_stack_kernel_is_refused_at_import() -> None:
 
 
 def test_stack_ab_reads_settings_and_plots_recorded_runs(tmp_path) -> None:
-    """bench/stack_ab.py: a setting that is not KEEP:INFLIGHT[:BACKBONE][@AHEAD] is refused by name; a
+    """bench/stack_ab.py: a setting that is not KEEP:INFLIGHT[:BACKBONE][@AHEAD][+BURST][~BACKOFF] is refused by name; a
     recorded run is plotted (a bar a setting), with no GPU."""
     script = Path(__file__).resolve().parents[2] / "bench" / "stack_ab.py"
     res = subprocess.run([sys.executable, str(script), "csm", "--settings", "12:2", "3:x"], capture_output=True,
@@ -634,10 +652,17 @@ def test_stack_ab_reads_settings_and_plots_recorded_runs(tmp_path) -> None:
     res = subprocess.run([sys.executable, str(script), "csm", "--settings", "auto:2+0/x"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "DEPTH/BACKBONE" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "csm", "--settings", "auto:2~200/0", "auto:2~x"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "BACKOFF (after ~) is ns" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "text", "--settings", "-1:2~200+3~0"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "one ~BACKOFF at most" in res.stderr
     rows = [{"keep": k, "inflight": 2, "backbone_keep": -1 if k else 0, "frames_per_s": f} for k, f in
             ((0, 192.9), (12, 198.2), (0, 192.4), (12, 198.1), (-1, 196.7))] + [
         {"keep": 12, "inflight": 2, "ahead": 8, "backbone_keep": -1, "frames_per_s": 199.0},
-        {"keep": 12, "inflight": 2, "ahead": 4, "burst": 4, "backbone_keep": -1, "frames_per_s": 199.5}]
+        {"keep": 12, "inflight": 2, "ahead": 4, "burst": 4, "backbone_keep": -1, "frames_per_s": 199.5},
+        {"keep": 12, "inflight": 2, "backoff": 200, "backbone_backoff": 0, "backbone_keep": -1, "frames_per_s": 200.5}]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"part": "csm", "gpu": "a GPU", "rows": rows}))
     png = tmp_path / "ab.png"
