@@ -216,7 +216,7 @@ def label(row: dict) -> str:
         name += f"\nburst {row['burst']}" + (f"/{bb_b}" if bb_b != row["burst"] else "")
     if row.get("backoff", 0) or row.get("backbone_backoff", 0):
         bb_o = row.get("backbone_backoff", row["backoff"])
-        name += f"\npolls sleep {row['backoff']}" + (f"/{bb_o}" if bb_o != row["backoff"] else "") + " ns"
+        name += f"\nsleep {row['backoff']}" + (f"/{bb_o}" if bb_o != row["backoff"] else "") + " ns"
     if bb is not None and bb != (-1 if k else 0):
         name += "\nbackbone " + ("no hints" if bb == 0 else "evict_first")
     return name
@@ -253,7 +253,7 @@ def plot(runs: list[dict], path: str) -> None:
         ax.set_ylim(lo * 0.97, max(max(v) for v in groups.values()) * 1.01)
         ax.set_ylabel("frames/s, batch 1" if csm else "tok/s, batch 1, read each step")
         name = "CSM-1B" if csm else "text, Llama-3.2-1B shapes"
-        ax.set_title(f"{name} ({res['gpu']}): the stack's copy settings", fontsize=9)
+        ax.set_title(f"{name} ({res['gpu']}): the stack's copy and poll settings", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"wrote {path}")
