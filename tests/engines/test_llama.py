@@ -99,6 +99,26 @@ def test_batched_decode_equals_solo(tmp_path: Path) -> None:
     assert len({tuple(s) for s in solo}) == 3
 
 
+def _on_cuda_stack(folder: Path, monkeypatch, seed: int, **widths) -> TextModel:  # noqa: ANN001
+    """A random two-layer Llama checkpoint (vocabulary 3,000, tied head) saved in ``folder`` and
+    loaded bf16 with REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda (skips without an sm_90 GPU)."""
+    import realtime.engines.transformer as tr
+    from realtime.kernels import decode_stack_cuda as dsc
+
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=3000, num_hidden_layers=2, tie_word_embeddings=True, bos_token_id=1,
+                                   eos_token_id=2, **widths)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    monkeypatch.setattr(tr, "_STACK", "text")
+    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
+    monkeypatch.setattr(tr, "_stack_owner", [])
+    m = TextModel.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
+    assert m.transformer.stack_cuda
+    return m
+
+
 @pytest.mark.gpu
 def test_cuda_stack_step_is_the_engine_step(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """With REALTIME_STACK=text REALTIME_STACK_KERNEL=cuda on an sm_90 GPU, the batch-1
@@ -107,20 +127,9 @@ def test_cuda_stack_step_is_the_engine_step(tmp_path: Path, monkeypatch) -> None
     (REALTIME_STACK_FUSED=0: the same stack, then the head as its own GEMM), and its greedy token is
     the same wherever the top two logits are clearly apart."""
     import realtime.engines.transformer as tr
-    from realtime.kernels import decode_stack_cuda as dsc
 
-    if not dsc.available():
-        pytest.skip("needs an sm_90 GPU and nvcc")
-    torch.manual_seed(3)
-    cfg = transformers.LlamaConfig(vocab_size=3000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                                   initializer_range=0.05, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    monkeypatch.setattr(tr, "_STACK", "text")
-    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
-    monkeypatch.setattr(tr, "_stack_owner", [])
-    m = TextModel.from_pretrained(tmp_path, device="cuda", dtype=torch.bfloat16)
-    assert m.transformer.stack_cuda
+    m = _on_cuda_stack(tmp_path, monkeypatch, 3, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05)
     ids = torch.randint(3, 3000, (40,)).tolist()
     res = {}
     for fused in (True, False):
@@ -220,22 +229,11 @@ def test_cuda_stack_served_decode_is_the_same_run_after_run(tmp_path: Path, monk
     that change no result turned off (no burst, no L2 prefetches). A race in the kernel's
     hand-overs would show as a token that differs somewhere (the seventeenth session saw one
     unexplained mismatch in an A/B of a setting since dropped)."""
-    import realtime.engines.transformer as tr
     from realtime.kernels import decode_stack_cuda as dsc
     from realtime.text_service import BatchDecoder
 
-    if not dsc.available():
-        pytest.skip("needs an sm_90 GPU and nvcc")
-    torch.manual_seed(5)
-    cfg = transformers.LlamaConfig(vocab_size=3000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
-                                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1024,
-                                   initializer_range=0.02, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
-    monkeypatch.setattr(tr, "_STACK", "text")
-    monkeypatch.setattr(tr, "_STACK_KERNEL", "cuda")
-    monkeypatch.setattr(tr, "_stack_owner", [])
-    m = TextModel.from_pretrained(tmp_path, device="cuda", dtype=torch.bfloat16)
-    assert m.transformer.stack_cuda
+    m = _on_cuda_stack(tmp_path, monkeypatch, 5, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=1024, initializer_range=0.02)
     prompt = torch.randint(3, 3000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     steps = 320
 
