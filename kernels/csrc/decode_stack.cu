@@ -484,9 +484,10 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
     uint32_t cap = (uint32_t)p.inflight;
     if (p.burst > p.inflight && (g < near || mbar_test(&ring.empty[lag.slot], lag.par))) cap = (uint32_t)p.burst;
     if (g >= near) lag.advance(ring.n);
-    // (at most the ring: the copy of stage g - n has landed once g's slot is free, so that wait is
-    // none, and `back` never falls more than the ring behind, where its parity would alias once the
-    // cap drops again: a cap of 13 copies on a 13-stage ring, then 2, hung a step)
+    // (at most the ring: g's slot is free only after stage g - n, in the same slot, has landed and
+    // been consumed, so waiting for that copy costs nothing the slot's wait below would not; and
+    // `back` never falls more than the ring behind, where its parity would alias once the cap
+    // drops again: a cap of 13 copies on a 13-stage ring, then 2, hung a step)
     cap = min(cap, (uint32_t)ring.n);
     for (; g - gb >= cap; ++gb) {
       mbar_wait(&ring.full[back.slot], back.par);
