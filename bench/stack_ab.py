@@ -115,27 +115,18 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
             b.frame_step(slots, temp, top_k, seeds)
 
     first = None
-    burst0, own = dsc.BURST, (w.burst, csm.backbone.stack.burst)  # (the engine's: see engines/csm.py)
-    backoff0, own_bo = dsc.BACKOFF, (w.backoff, csm.backbone.stack.backoff)
+    stacks = (w, csm.backbone.stack)
+    burst0, backoff0 = dsc.BURST, dsc.BACKOFF
+    own = {a: tuple(getattr(st, a) for st in stacks) for a in ("burst", "backoff")}  # (the engine's: engines/csm.py)
     for keep, inflight, backbone, ahead, burst, backoff in args.settings:
         keep = res["auto_keep"] if keep is None else keep
-        if isinstance(burst, tuple):  # DEPTH/BACKBONE: the stacks' own, for this setting
-            if burst0 is not None:
-                raise SystemExit("REALTIME_STACK_BURST is set: it would override a setting's DEPTH/BACKBONE")
-            (w.burst, csm.backbone.stack.burst), burst = burst, None
-        else:
-            w.burst, csm.backbone.stack.burst = own
-        if isinstance(backoff, tuple):
-            if backoff0 is not None:
-                raise SystemExit("REALTIME_STACK_BACKOFF is set: it would override a setting's DEPTH/BACKBONE")
-            (w.backoff, csm.backbone.stack.backoff), backoff = backoff, None
-        else:
-            w.backoff, csm.backbone.stack.backoff = own_bo
-        dsc.BACKOFF = backoff0 if backoff is None else backoff
+        burst = _per_stack(burst, burst0, stacks, "burst", own["burst"], "REALTIME_STACK_BURST")
+        backoff = _per_stack(backoff, backoff0, stacks, "backoff", own["backoff"], "REALTIME_STACK_BACKOFF")
         w.l2_keep = keep
         csm.backbone.stack.l2_keep = backbone if backbone is not None else (-1 if keep else 0)
         set_aside = dsc.persist_l2(dev, dsc.keep_set_aside(layers, keep) if keep > 0 else 0)
-        dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
+        dsc.INFLIGHT, dsc.L2_AHEAD = inflight, ahead
+        dsc.BURST, dsc.BACKOFF = (burst0 if burst is None else burst), (backoff0 if backoff is None else backoff)
         bursts = (dsc.burst_of(w), dsc.burst_of(csm.backbone.stack))
         backoffs = (dsc.backoff_of(w), dsc.backoff_of(csm.backbone.stack))
         b.step_graphs = csm.capture_step(b.state, sizes=[1])  # the hints and the count are in the launch
@@ -159,7 +150,21 @@ def run_csm(args, res: dict) -> None:  # noqa: ANN001
             f" {row['frames_per_s']:6.1f} frames/s (runs {min(row['frames_per_s_each']):.1f}..{max(row['frames_per_s_each']):.1f}),"
             f" same codes {row['same_codes']}")
     dsc.persist_l2(dev, 0)
-    dsc.BACKOFF = backoff0
+
+
+def _per_stack(value, env0, stacks, attr: str, own: tuple, var: str):  # noqa: ANN001, ANN202
+    """A CSM setting's BURST or BACKOFF: DEPTH/BACKBONE (a pair) sets each stack's own ``attr`` for
+    this setting and returns None (the launch then takes the stacks'); a count or None puts the
+    engine's own back and is returned, for the variable that overrides every stack."""
+    if not isinstance(value, tuple):
+        for st, v in zip(stacks, own):
+            setattr(st, attr, v)
+        return value
+    if env0 is not None:
+        raise SystemExit(f"{var} is set: it would override a setting's DEPTH/BACKBONE")
+    for st, v in zip(stacks, value):
+        setattr(st, attr, v)
+    return None
 
 
 def run_text(args, res: dict) -> None:  # noqa: ANN001
@@ -185,9 +190,9 @@ def run_text(args, res: dict) -> None:  # noqa: ANN001
         for keep, inflight, _, ahead, burst, backoff in args.settings:
             if isinstance(burst, tuple) or isinstance(backoff, tuple):
                 raise SystemExit("DEPTH/BACKBONE is for CSM's two stacks; text takes +BURST and ~BACKOFF")
-            dsc.BACKOFF = backoff0 if backoff is None else backoff
             keep = -1 if keep is None else keep  # (auto: the text stack's default, evict_first)
-            dsc.INFLIGHT, dsc.L2_AHEAD, dsc.BURST = inflight, ahead, burst0 if burst is None else burst
+            dsc.INFLIGHT, dsc.L2_AHEAD = inflight, ahead
+            dsc.BURST, dsc.BACKOFF = (burst0 if burst is None else burst), (backoff0 if backoff is None else backoff)
             model.transformer.stack.l2_keep = keep
             row = {"keep": keep, "inflight": inflight, "ahead": ahead, "burst": dsc.burst_of(model.transformer.stack),
                    "backoff": dsc.backoff_of(model.transformer.stack)}

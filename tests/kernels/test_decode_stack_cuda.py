@@ -90,7 +90,8 @@ def test_kernel_code_fits_the_instruction_cache(tmp_path) -> None:
     # the last layer: ~14 KB that no layer fetches), and the whole step with it
     layers, whole = step_code("-DREALTIME_STACK_NO_SAMPLER"), step_code()
     # (117.5 KB before the producer's L2 prefetch path, Params::ahead: +2.8 KB, run by the producer
-    # only while its ring is full; Params::burst's test a stage: +0.6 KB, 120.9 KB)
+    # only while its ring is full; Params::burst's test a stage: +0.6 KB, 120.9 KB; the cap at most the
+    # ring: 120.8 KB)
     assert layers <= 121 * 1024, f"the step's code without its sampler is {layers / 1024:.0f} KB"
     assert whole - layers <= 16 * 1024, f"the sampler's code is {(whole - layers) / 1024:.0f} KB"
 
