@@ -23,9 +23,29 @@ stack_env() {  # the variables that put engine $1 on the CUDA stack, or none
 }
 [ -n "${STACK:-}" ] && [ "$STACK" != cuda ] && { echo "STACK must be cuda or unset, got '$STACK'" >&2; exit 2; }
 
+# Part "scan" (with STACK=cuda): bench/stack_ab.py's copies in flight and burst, alternating in one
+# process a stack (SCAN_TEXT and SCAN_CSM: its settings, the first the reference), and the parts after
+# it run at each scan's best setting (bench/stack_ab.py --best: the variables, printed here; none
+# where a setting changed a result). E.g. PARTS="scan text" on a GPU the defaults were not measured on.
+csm_env="" text_env=""
+if [[ " $parts " == *" scan "* ]]; then
+[ "${STACK:-}" = cuda ] || { echo "PARTS=scan needs STACK=cuda" >&2; exit 2; }
+for part in text csm; do
+  [[ " $parts " == *" $part "* ]] || continue
+  if [ $part = text ]; then settings="${SCAN_TEXT:--1:2 -1:3 -1:4 -1:2+0 -1:2+5 -1:2 -1:3 -1:4 -1:2+0 -1:2+5}"
+  else settings="${SCAN_CSM:-auto:2 auto:3 auto:4 auto:2+3 auto:2 auto:3 auto:4 auto:2+3}"; fi
+  echo "== scan: $part, $settings"
+  env $(stack_env $part) timeout "${SCAN_TIMEOUT:-200}" python3 bench/stack_ab.py $part --steps 512 --settings $settings \
+    --out "$work/stack_ab_${part}_scan.json" --plot "$work/stack_ab_${part}_scan.png" > "$work/scan_$part.log" 2>&1
+  grep -E "in flight|rror" "$work/scan_$part.log" | cut -c1-190
+  best=$(python3 bench/stack_ab.py --best "$work/stack_ab_${part}_scan.json") && echo "$part runs at: $best" || best=""
+  if [ $part = text ]; then text_env="$best"; else csm_env="$best"; fi
+done
+fi
+
 if [[ " $parts " == *" csm "* ]]; then
 echo "== CSM engine (builds a random CSM-1B in /tmp/csm1b on first use)"
-env $(stack_env csm) timeout "${CSM_TIMEOUT:-300}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches ${CSM_BATCHES:-1 8 64} --variants graphed_kernels \
+env $(stack_env csm) $csm_env timeout "${CSM_TIMEOUT:-300}" python3 bench/csm_engine.py --folder /tmp/csm1b --batches ${CSM_BATCHES:-1 8 64} --variants graphed_kernels \
   --frames 48 --out "$work/csm_engine_h200.json" > "$work/csm_engine.log" 2>&1
 grep "^\[" "$work/csm_engine.log" | grep -v "GEMV choice" | grep "frames/s\|codes on\|Mimi\|HF" | cut -c1-170
 fi
@@ -41,11 +61,11 @@ fi
 
 if [[ " $parts " == *" text "* ]]; then
 echo "== text decode"
-env $(stack_env text) timeout 200 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
+env $(stack_env text) $text_env timeout 200 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
 grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity" | tail -20
 
 echo "== text decode, sampled (temperature 1, no top-k/top-p: the API default)"
-env $(stack_env text) timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --out "$work/text_h200_sampled.json" \
+env $(stack_env text) $text_env timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --out "$work/text_h200_sampled.json" \
   > "$work/text_sampled.log" 2>&1
 grep "^ours" "$work/text_sampled.log"
 fi

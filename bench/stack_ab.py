@@ -264,6 +264,49 @@ def plot(runs: list[dict], path: str) -> None:
     log(f"wrote {path}")
 
 
+# The settings a recorded run's rows differ in, and the variable that sets each for every stack
+_ENV = {"inflight": "REALTIME_STACK_INFLIGHT", "ahead": "REALTIME_STACK_L2_AHEAD", "burst": "REALTIME_STACK_BURST",
+        "backoff": "REALTIME_STACK_BACKOFF", "keep": "REALTIME_STACK_L2_KEEP"}
+
+
+def best_env(res: dict) -> str:
+    """The environment (``NAME=value ...``) that puts every stack at a recorded run's best setting:
+    the median over each setting's rows (CSM: frames/s; text: read-each-step + pipelined tok/s).
+    The first setting is the reference: a variable is named only where the best setting differs
+    from it, and REALTIME_STACK_INFLIGHT always. Refuses (SystemExit) a run whose settings changed a
+    result, and a best setting that no variable can express (CSM's DEPTH/BACKBONE pairs or a
+    backbone KEEP of its own, a text KEEP other than 0 and -1, its default)."""
+    rows, csm = res.get("rows") or [], res.get("part") == "csm"
+    if not rows:
+        raise SystemExit("the run has no rows")
+    if not all(r.get("same_codes", True) and r.get("same_tokens", True) and r.get("same_tokens_pipelined", True)
+               for r in rows):
+        raise SystemExit("a setting changed the results: no best setting is named")
+    fields = ("keep", "inflight", "ahead", "burst", "backbone_burst", "backoff", "backbone_backoff", "backbone_keep")
+
+    def key(r: dict) -> tuple:
+        return tuple(r.get(f) for f in fields)
+
+    runs: dict[tuple, list[float]] = {}
+    for r in rows:
+        runs.setdefault(key(r), []).append(r["frames_per_s"] if csm else r["graph_tok_s"] + r["pipelined_tok_s"])
+    best = dict(zip(fields, max(runs, key=lambda k: statistics.median(runs[k]))))
+    first = dict(zip(fields, key(rows[0])))
+    env = [f"REALTIME_STACK_INFLIGHT={best['inflight']}"]
+    for f in ("ahead", "burst", "backoff", "keep"):
+        if best[f] == first[f] and best.get(f"backbone_{f}") == first.get(f"backbone_{f}"):
+            continue
+        if best[f] is None or (f == "keep" and not csm and best[f] == -1):  # the stacks' own default
+            continue
+        pair = csm and f in ("burst", "backoff") and best[f] != best[f"backbone_{f}"]
+        # REALTIME_STACK_L2_KEEP=k: CSM's depth k with the backbone at -1 (0: no hints on either); text's 0 only
+        bad_keep = f == "keep" and (best["backbone_keep"] != (-1 if best["keep"] else 0) if csm else best["keep"] != 0)
+        if pair or bad_keep or best[f] < 0:
+            raise SystemExit(f"the best setting's {f} ({best[f]}) is not one variable's value: set it by hand")
+        env.append(f"{_ENV[f]}={best[f]}")
+    return " ".join(env)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", nargs="?", choices=["csm", "text"])
@@ -277,8 +320,13 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON (default bench/results/stack_ab_<part>.json)")
     ap.add_argument("--plot", default=None, help="PNG: a bar a setting (the runs' dots over it)")
     ap.add_argument("--from-json", nargs="+", default=None, help="plot these recorded runs, run nothing")
+    ap.add_argument("--best", default=None, metavar="JSON",
+                    help="print the variables that set every stack to this recorded run's best setting, run nothing")
     # a setting that starts with a negative KEEP (-1:2) would read as an option: a space ahead of it
     args = ap.parse_args([" " + a if re.match(r"-\d+:", a) else a for a in sys.argv[1:]])
+    if args.best:
+        print(best_env(json.loads(Path(args.best).read_text())))
+        return 0
     if args.from_json:
         if not args.plot:
             ap.error("--from-json needs --plot")

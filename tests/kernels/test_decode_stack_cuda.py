@@ -671,3 +671,48 @@ def test_stack_ab_reads_settings_and_plots_recorded_runs(tmp_path) -> None:
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-400:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_stack_ab_best_names_the_variables_of_a_runs_best_setting(tmp_path) -> None:
+    """bench/stack_ab.py --best: the variables that put every stack at a recorded run's best setting
+    (median of its rows), the first setting the reference; a run whose settings changed a result,
+    and a best setting that no variable can express, are refused by name."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "stack_ab.py"
+
+    def best(part: str, rows: list[dict]) -> subprocess.CompletedProcess:
+        run = tmp_path / f"{part}.json"
+        run.write_text(json.dumps({"part": part, "gpu": "a GPU", "rows": rows}))
+        return subprocess.run([sys.executable, str(script), "--best", str(run)], capture_output=True, text=True,
+                              timeout=120)
+
+    def text(inflight: int, burst: int, tok: float, keep: int = -1, same: bool = True) -> dict:
+        return {"keep": keep, "inflight": inflight, "ahead": None, "burst": burst, "backoff": 0, "graph_tok_s": tok,
+                "pipelined_tok_s": tok + 20, "same_tokens": True, "same_tokens_pipelined": same}
+
+    # 3 in flight wins on its median (one fast outlier of 2+3 does not), burst as the reference's
+    rows = [text(2, 3, 1000), text(3, 3, 1040), text(2, 3, 1100), text(3, 3, 1041), text(2, 3, 1001), text(3, 3, 1039)]
+    res = best("text", rows)
+    assert res.returncode == 0 and res.stdout.split() == ["REALTIME_STACK_INFLIGHT=3"], res.stderr
+    res = best("text", rows + [text(2, 0, 1060), text(2, 0, 1061)])
+    assert res.stdout.split() == ["REALTIME_STACK_INFLIGHT=2", "REALTIME_STACK_BURST=0"], res.stderr
+    res = best("text", rows + [text(2, 3, 1200, keep=0)])
+    assert res.stdout.split() == ["REALTIME_STACK_INFLIGHT=2", "REALTIME_STACK_L2_KEEP=0"], res.stderr
+    res = best("text", rows + [text(2, 3, 1200, keep=4)])
+    assert res.returncode == 1 and "keep (4) is not one variable's value" in res.stderr
+    res = best("text", rows + [text(2, 0, 900, same=False)])
+    assert res.returncode == 1 and "changed the results" in res.stderr and not res.stdout
+
+    def csm(burst: tuple, backoff: tuple, fps: float, keep: int = 12) -> dict:
+        return {"keep": keep, "inflight": 2, "ahead": None, "burst": burst[0], "backbone_burst": burst[1],
+                "backoff": backoff[0], "backbone_backoff": backoff[1], "backbone_keep": -1 if keep else 0,
+                "frames_per_s": fps, "same_codes": True}
+
+    ref = [csm((0, 0), (200, 0), 202.0), csm((0, 0), (200, 0), 202.4)]
+    res = best("csm", ref + [csm((3, 3), (200, 0), 205.0), csm((0, 0), (200, 0), 202.2, keep=8)])
+    assert res.stdout.split() == ["REALTIME_STACK_INFLIGHT=2", "REALTIME_STACK_BURST=3"], res.stderr
+    res = best("csm", ref + [csm((0, 0), (200, 0), 203.0, keep=8)])
+    assert res.stdout.split() == ["REALTIME_STACK_INFLIGHT=2", "REALTIME_STACK_L2_KEEP=8"], res.stderr
+    res = best("csm", ref + [csm((0, 3), (200, 0), 205.0)])  # the backbone's own burst: a pair
+    assert res.returncode == 1 and "burst (0) is not one variable's value" in res.stderr
+    res = best("csm", ref + [csm((0, 0), (400, 0), 205.0)])  # REALTIME_STACK_BACKOFF=400 would set the backbone's too
+    assert res.returncode == 1 and "backoff (400)" in res.stderr
