@@ -325,7 +325,11 @@ def main() -> int:
     # a setting that starts with a negative KEEP (-1:2) would read as an option: a space ahead of it
     args = ap.parse_args([" " + a if re.match(r"-\d+:", a) else a for a in sys.argv[1:]])
     if args.best:
-        print(best_env(json.loads(Path(args.best).read_text())))
+        try:
+            res = json.loads(Path(args.best).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--best: cannot read a recorded run from {args.best}: {exc}")
+        print(best_env(res))
         return 0
     if args.from_json:
         if not args.plot:

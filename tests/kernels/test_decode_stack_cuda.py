@@ -716,3 +716,6 @@ def test_stack_ab_best_names_the_variables_of_a_runs_best_setting(tmp_path) -> N
     assert res.returncode == 1 and "burst (0) is not one variable's value" in res.stderr
     res = best("csm", ref + [csm((0, 0), (400, 0), 205.0)])  # REALTIME_STACK_BACKOFF=400 would set the backbone's too
     assert res.returncode == 1 and "backoff (400)" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "--best", str(tmp_path / "none.json")], capture_output=True,
+                         text=True, timeout=120)  # (a scan that wrote nothing)
+    assert res.returncode == 2 and "cannot read a recorded run" in res.stderr and "Traceback" not in res.stderr
