@@ -157,6 +157,48 @@ def test_vocode_batch_across_utterances(voice: PiperVoice, latent: torch.Tensor)
         assert (pcm - ref).abs().max().item() <= 1e-4
 
 
+def test_vocoder_keeps_its_inputs_and_its_results(voice: PiperVoice, latent: torch.Tensor) -> None:
+    """The vocoder works in place on its own buffers only (engines/vits.py): the latents it is given
+    stay as they were, and the same input gives the same PCM however the calls interleave, each
+    equal to the decoder run out of place (the MRF's blocks each see the same input)."""
+    import torch.nn.functional as F
+
+    from realtime.engines import vits
+
+    def out_of_place(dec, z):  # noqa: ANN001, ANN202  (the decoder as written before the in-place ops)
+        x = dec.conv_pre(z)
+        nk = dec.num_kernels
+        for i, up in enumerate(dec.ups):
+            x = up(F.leaky_relu(x, vits._LRELU_SLOPE))
+            outs = []
+            for blk in dec.resblocks[i * nk : (i + 1) * nk]:
+                y = x
+                for c in blk.convs:
+                    y = y + c(F.leaky_relu(y, vits._LRELU_SLOPE))
+                outs.append(y)
+            x = sum(outs[1:], outs[0]) / nk
+        return torch.tanh(dec.conv_post(F.leaky_relu(x, vits._LRELU_SLOPE_POST)))[:, 0]
+
+    assert isinstance(voice.model.dec.resblocks[0], vits.ResBlock2)  # (the joe voice's; out_of_place is its form)
+    z = latent[:, :, :40].clone()
+    kept = z.clone()
+    dec = voice.model.dec
+    with torch.inference_mode():
+        first = voice.vocode(z)
+        windows = voice.vocode_batch([(z, 0, 20), (z, 10, 40)])
+        again = voice.vocode(z)
+        dec.channels_last = False  # (NCW: the modules' own convs, as out_of_place runs them)
+        try:
+            ncw = voice.vocode(z)
+            ref = out_of_place(dec, z)
+        finally:
+            dec.channels_last = None
+    assert torch.equal(z, kept)
+    assert torch.equal(first, again)
+    assert torch.equal(ncw, ref)
+    assert (windows[0] - first[0, : 20 * voice.hop]).abs().max().item() <= 1e-4
+
+
 def test_vocode_window_errors(voice: PiperVoice, latent: torch.Tensor) -> None:
     with pytest.raises(ConfigError):
         voice.vocode_windows(latent, [(5, 5)])
