@@ -484,9 +484,10 @@ class HifiGanDecoder(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         cl = z.device.type == "cpu" if self.channels_last is None else self.channels_last
-        # The elementwise ops work in place on buffers this forward made: at full rate each is as
-        # large as a conv's output, and a new one an op cost the vocoder ~15 % on a 2-core CPU
-        # (the same values: x + y and y + x round alike)
+        # The elementwise ops work in place on buffers this forward made (the same values: x + y and
+        # y + x round alike). At full rate each buffer is as large as a conv's output; a new one an
+        # op cost 0-27 % of the vocoder's time on a 2-core CPU, run to run (the allocator's state
+        # and the machine's noise: BENCHMARKS.md, bench/vits.py --vocoder-against)
         x = _conv(self.conv_pre, to_cl(z) if cl else z)
         nk = self.num_kernels
         for i, up in enumerate(self.ups):
