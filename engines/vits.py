@@ -494,6 +494,8 @@ class HifiGanDecoder(nn.Module):
             x = _conv(up, F.leaky_relu_(x, _LRELU_SLOPE))
             blocks = self.resblocks[i * nk : (i + 1) * nk]
             xs = blocks[0](x)
+            if xs is x:  # (a block with no convs returns its input, which the next blocks read)
+                xs = x.clone()
             for blk in blocks[1:]:
                 xs.add_(blk(x))
             x = xs.div_(nk)

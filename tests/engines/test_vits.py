@@ -196,6 +196,13 @@ def test_vocoder_keeps_its_inputs_and_its_results(voice: PiperVoice, latent: tor
     assert torch.equal(z, kept)
     assert torch.equal(first, again)
     assert torch.equal(ncw, ref)
+    # A block with no convs returns its input itself: the MRF's in-place sum must not write it
+    bare = copy.deepcopy(dec)
+    bare.channels_last = False
+    for i in range(0, len(bare.resblocks), bare.num_kernels):
+        bare.resblocks[i].convs = torch.nn.ModuleList()
+    with torch.inference_mode():
+        assert torch.equal(bare(z)[:, 0], out_of_place(bare, z))
     assert (windows[0] - first[0, : 20 * voice.hop]).abs().max().item() <= 1e-4
 
 
