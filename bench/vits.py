@@ -3,6 +3,7 @@
     python bench/vits.py [--threads 2] [--rounds 20]
     python bench/vits.py --vocoder-layouts     # + the vocoder alone, NCW vs channels-last, alternating
     python bench/vits.py --vocoder-against REV  # + the vocoder alone, REV's code vs this tree's, alternating
+    python bench/vits.py --new-lengths          # + the vocoder alone on lengths this process has not seen
 
 Same phoneme ids, default scales, one utterance at a time; ours is generate (text encoder +
 durations + flow) + vocode (HiFi-GAN). Warm-up first; medians and p95 of wall time; RTF = time ÷
@@ -39,6 +40,9 @@ def main() -> int:
     ap.add_argument("--vocoder-against", metavar="REV", default=None,
                     help="also time the vocoder alone as engines/vits.py at git REV runs it (its HifiGanDecoder and "
                          "ResBlock forwards, the rest this tree's) against this tree, in turn")
+    ap.add_argument("--new-lengths", action="store_true",
+                    help="also time the vocoder alone on 15 latent lengths this process has not run yet, then on "
+                         "the same lengths again, and on one length repeated (the cost of a shape's first run)")
     args = ap.parse_args()
     import onnxruntime as ort
 
@@ -80,9 +84,10 @@ def main() -> int:
     layouts = _vocoder_layouts(voice, args) if args.vocoder_layouts else []
     if args.vocoder_against:
         layouts += _vocoder_against(voice, args, args.vocoder_against)
+    new_lengths = _new_lengths(voice) if args.new_lengths else {}
     res = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": args.threads,
            "torch": torch.__version__, "onnxruntime": ort.__version__, "cpu_count": os.cpu_count(), "rows": rows,
-           "vocoder_layouts": layouts}
+           "vocoder_layouts": layouts, "new_lengths": new_lengths}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"{'engine':<16}{'audio s':>8}{'p50 ms':>9}{'p95 ms':>9}{'RTF':>7}  text")
@@ -94,7 +99,34 @@ def main() -> int:
         for r in layouts:
             print(f"{r['layout']:<16}{r['frames']:>8}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}  {str(r['same_pcm']):<9} "
                   f"{r['text'][:40]}")
+    if new_lengths:
+        r = new_lengths
+        print(f"\nvocoder alone, {len(r['lengths'])} lengths of {r['lengths'][0]}..{r['lengths'][-1]} frames, p50 ms: "
+              f"first run {r['first_ms']:.1f}, the same lengths again {r['again_ms']:.1f}, one length repeated "
+              f"{r['repeated_ms']:.1f}")
     return 0
+
+
+def _new_lengths(voice) -> dict:  # noqa: ANN001
+    """The vocoder alone on latents of 15 lengths past any this run has vocoded (400..414 frames;
+    the texts' utterances are under 400), each run once, then the same lengths again, then one
+    length repeated: what a shape's first run costs (the CPU's conv library builds its kernels
+    for each new shape). Seeded random latents; medians."""
+    g = torch.Generator().manual_seed(0)
+    lengths = list(range(400, 415))
+    zs = [torch.randn(1, voice.latent_channels, f, generator=g) for f in lengths]
+
+    def ms(z) -> float:  # noqa: ANN001
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            voice.vocode(z)
+        return (time.perf_counter() - t0) * 1000
+
+    first = [ms(z) for z in zs]
+    again = [ms(z) for z in zs]
+    repeated = [ms(zs[0]) for _ in zs]
+    return {"lengths": lengths, "first_ms": float(np.median(first)), "again_ms": float(np.median(again)),
+            "repeated_ms": float(np.median(repeated)), "first_all_ms": first, "again_all_ms": again}
 
 
 def _vocoder_layouts(voice, args) -> list[dict]:  # noqa: ANN001
