@@ -202,18 +202,16 @@ class PiperBackend(TTSBackend):
         return self.vocoder.vocode_batch(items)
 
     def warmup(self) -> None:
-        """One utterance through both stages, then the vocoder lane's window shapes of one stream
-        (FIRST_WINDOW, its doublings, MAX_WINDOW: each decodes a slice of n + 2 x context frames).
+        """One utterance through both stages: its latent, repeated to be long enough, through the
+        vocoder lane's window shapes of one stream (FIRST_WINDOW, its doublings, MAX_WINDOW: each
+        decodes a slice of n + 2 x context frames; one decoder call a size).
         On the CPU the conv library builds its kernels for each new shape on first use, which
         cost a cold server's first stream ~30 ms of its first window and ~35-50 ms of each larger
         one (2-core VM)."""
         t0 = time.perf_counter()
         params = StartParams(voice=None, format="pcm_f32le", sample_rate=self.native_rate, chunk_ms=None)
-        utts = self.synthesize_latents("Warming up.", params, None)
-        for utt in utts:
-            self.vocode_batch([(utt.z, 0, min(utt.frames, MAX_WINDOW))])
+        (utt,) = self.synthesize_latents("Warming up.", params, None)
         sizes = sorted({FIRST_WINDOW << k for k in range(8) if FIRST_WINDOW << k <= MAX_WINDOW} | {MIN_WINDOW, MAX_WINDOW})
-        z = utts[0].z
-        z = torch.cat([z] * -(-(MAX_WINDOW + 2 * self.voice.vocoder_context) // z.shape[2]), dim=2)  # (long enough)
-        self.vocode_batch([(z, 0, n) for n in sizes])  # (one decoder call a size)
+        z = torch.cat([utt.z] * -(-(MAX_WINDOW + 2 * self.voice.vocoder_context) // utt.frames), dim=2)
+        self.vocode_batch([(z, 0, n) for n in sizes])
         log.info("warmed up Piper in %.2fs", time.perf_counter() - t0)
