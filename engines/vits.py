@@ -20,7 +20,11 @@ strides) are read from the node attributes.
 Two stages, so the server can schedule them separately:
 
 * GENERATOR ``generate``: phoneme ids [1, T] -> latent frames z [1, C, F] (text encoder,
-  stochastic duration predictor, length regulation, reverse flow). One call per sentence.
+  stochastic duration predictor, length regulation, reverse flow). One call per sentence. It is
+  also two calls, so a sentence's first frames can be ready before its last: ``prior`` (all but
+  the flow: the flow's input z_p [1, C, F]) and ``flow`` over any frame range [start, end). The
+  flow is purely convolutional too, so a range computed with ``flow_context`` frames of real
+  context on each side equals the same frames of the whole flow.
 * VOCODER ``vocode`` / ``vocode_windows`` / ``vocode_batch``: the HiFi-GAN decoder, z -> PCM,
   ``hop`` samples per frame. It is purely convolutional, so a window of frames computed with
   ``vocoder_context`` frames of real context on each side equals the whole-utterance output; many
@@ -563,6 +567,18 @@ def dec_receptive_field(cfg: VitsConfig) -> tuple[int, int]:
     return -lo, hi
 
 
+def flow_receptive_field(cfg: VitsConfig) -> int:
+    """Frames of context on each side that the reverse flow's output for one frame depends on.
+
+    Each coupling layer's convs are 1x1 (pre, post, the WN's res/skip) except the WN's in-layers:
+    kernel k, dilation d, "same" zero padding, one after the other inside the layer (reach
+    (k-1)d/2 each); the rest is pointwise, and the flips between layers permute channels, not
+    frames. The layers run in sequence, so their reaches add: for the joe voice 4 layers x 4 convs
+    x 2 = 32 frames. The tests check that 32 is exact and 31 is not."""
+    per_layer = sum((cfg.flow_kernel_size - 1) * d // 2 for d in cfg.flow_dilations)
+    return len(cfg.flow_ids) * per_layer
+
+
 # ----------------------------------------------------------------------------------------------
 # ONNX loading
 # ----------------------------------------------------------------------------------------------
@@ -740,6 +756,7 @@ class PiperVoice:
         self.latent_channels = config.inter_channels
         left, right = dec_receptive_field(config)
         self.vocoder_context = max(left, right)
+        self.flow_context = flow_receptive_field(config)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -814,7 +831,6 @@ class PiperVoice:
 
     # -- GENERATOR -------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(
         self,
         ids: torch.LongTensor,
@@ -825,6 +841,20 @@ class PiperVoice:
         speaker: int | None = None,
     ) -> torch.Tensor:
         """Phoneme ids [1, T] -> latent frames z [1, C, F] (F = sum of rounded-up durations)."""
+        return self.flow(self.prior(ids, noise_scale, length_scale, noise_w, generator, speaker))
+
+    @torch.inference_mode()
+    def prior(
+        self,
+        ids: torch.LongTensor,
+        noise_scale: float | None = None,
+        length_scale: float | None = None,
+        noise_w: float | None = None,
+        generator: torch.Generator | None = None,
+        speaker: int | None = None,
+    ) -> torch.Tensor:
+        """Phoneme ids [1, T] -> the flow's input z_p [1, C, F]: the text encoder, the durations,
+        and one sample of the prior at each frame. ``flow(prior(...))`` is ``generate(...)``."""
         if speaker is not None:
             raise UnsupportedError(f"voice {self.name} has one speaker; speaker must be None")
         if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
@@ -851,8 +881,24 @@ class PiperVoice:
             token = torch.repeat_interleave(torch.arange(t, device=self.device), dur)  # [F]
             m_p, logs_p = m_p[:, :, token], logs_p[:, :, token]
         eps = torch.randn(m_p.shape, generator=generator, device=self.device, dtype=self.dtype)
-        z_p = m_p + eps * torch.exp(logs_p) * noise_scale
-        return m.flow.reverse(z_p)
+        return m_p + eps * torch.exp(logs_p) * noise_scale
+
+    @torch.inference_mode()
+    def flow(self, z_p: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Latent frames [start, end) (end None: the last) of the utterance whose flow input is
+        z_p [1, C, F], as [1, C, end - start]. The flow runs on a slice that reaches
+        ``flow_context`` frames past both ends, or stops at a true utterance edge (where the
+        convs' own zero padding then matches the whole run), so ranges that tile [0, F) make the
+        whole flow's output."""
+        if z_p.dim() != 3 or z_p.shape[0] != 1 or z_p.shape[1] != self.latent_channels or z_p.shape[2] == 0:
+            raise ConfigError(f"flow takes z_p of shape [1, {self.latent_channels}, F>0], got {tuple(z_p.shape)}")
+        f = z_p.shape[2]
+        end = f if end is None else end
+        if not 0 <= start < end <= f:
+            raise ConfigError(f"frames [{start}, {end}) are not inside [0, {f})")
+        lo, hi = max(start - self.flow_context, 0), min(end + self.flow_context, f)
+        z = self.model.flow.reverse(z_p[:, :, lo:hi])
+        return z if (lo, hi) == (start, end) else z[:, :, start - lo : end - lo]
 
     # -- VOCODER ---------------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
 """The embedded voice on the scheduler: Piper VITS as a two-stage pipeline.
 
 GENERATOR lane (worker "generator"): one text segment → phonemes → latent frames z [1, C, F] for
-each sentence (text encoder + duration predictor + flow). VOCODER lane (worker "codec"): windows of
-latent frames → PCM through HiFi-GAN with context on both sides, so chunked audio equals
-whole-utterance audio. Windows of equal length from different streams run as one batched call.
+each sentence (text encoder + duration predictor + flow). When the vocoder has nothing queued for
+the stream and its player is close to running dry (a talk spurt's first sentence), a long
+sentence's flow runs in two parts on the CPU: the frames its first two windows read, handed over
+at once, then the rest (the flow is convolutional, so the parts equal the whole;
+``PiperVoice.flow``). VOCODER lane (worker "codec"): windows of latent frames → PCM through
+HiFi-GAN with context on both sides, so chunked audio equals whole-utterance audio. Windows of
+equal length from different streams run as one batched call.
 The first window of a talk spurt is short (first audio soon); later ones are longer (less context
 overhead per sample).
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,13 +32,32 @@ FIRST_WINDOW = 8  # latent frames (256 samples each): ~93 ms at 22.05 kHz
 MIN_WINDOW = 32  # ~370 ms: context overhead (2 x 11 frames) stays under 70 %
 MAX_WINDOW = 64  # ~740 ms
 MAX_UTTS_AHEAD = 4  # sentences synthesized but not yet vocoded, per stream
+HEAD_FRAMES = 3 * FIRST_WINDOW  # a sentence's first two windows (8 + 16 frames): its flow's first part
+# The split costs 2 x the flow's context (64 frames) more flow work, so it is made only where the
+# player holds less audio than a long sentence's whole flow plus its first window take (2-core CPU:
+# ~30 + ~15 ms), with a margin.
+HEAD_BELOW_S = 0.15
 
 
-@dataclass
+@dataclass(eq=False)
 class Utterance:
-    z: torch.Tensor  # [1, C, F] on the codec device
+    z: torch.Tensor  # [1, C, F] on the codec device; frames [0, made) are final
     next_frame: int = 0
     ready: torch.cuda.Event | None = None  # CUDA: z is complete once this event has fired
+    made: int = -1  # frames of z made so far (-1: all of them; less while the flow's rest runs)
+
+    def __post_init__(self) -> None:
+        if self.made < 0:
+            self.made = self.frames
+
+    def vocodable(self, start: int, context: int) -> int:
+        """How far a window starting at ``start`` may reach now. ``vocode_batch`` decodes frames
+        [s, e) from z up to max(e + context, e - s + 2 context) (its slice is shifted inwards at the
+        start edge), so before the whole of z is made, e is at most min(made - context,
+        s + made - 2 context)."""
+        if self.made >= self.frames:
+            return self.frames
+        return max(start, min(self.made - context, start + self.made - 2 * context))
 
     def wait(self) -> None:
         """Make the codec worker's stream wait for the generator's stream (no host sync)."""
@@ -71,25 +95,30 @@ class PiperGenerateLane(Lane):
         return job.has_text() and len(st.utts) < MAX_UTTS_AHEAD and job.can_produce(time.monotonic())
 
     def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
-        made = False
         for job in jobs:
             t0 = time.perf_counter()
             st: PiperState = job.engine_state
             seg = job.take_segment()
             if seg is None:
                 continue
+
+            def publish(utt: Utterance, grown: bool = False, job: TTSJob = job, st: PiperState = st) -> None:
+                if not grown:
+                    with job.lock:
+                        st.utts.append(utt)
+                # the codec worker decodes the new frames now, not on its idle recheck
+                self.wake(PiperVocodeLane.worker)
+
+            with job.lock:  # nothing queued for the vocoder and the player near its end: audio is due now
+                head = not st.utts and job.ahead_s(time.monotonic()) < HEAD_BELOW_S
             try:
-                utts = self.b.synthesize_latents(seg, job.params, st.generator)
+                utts = self.b.synthesize_latents(seg, job.params, st.generator, publish=publish, head=head)
             finally:
                 with job.lock:
                     st.inflight -= 1
-                    st.utts.extend(utts)
             job.compute_s += time.perf_counter() - t0
-            made |= bool(utts)
             if not utts:
                 job.finish_spurt()
-        if made:
-            self.wake(PiperVocodeLane.worker)  # vocode the first window now, not on the idle recheck
 
 
 class PiperVocodeLane(Lane):
@@ -103,7 +132,11 @@ class PiperVocodeLane(Lane):
 
     def is_ready(self, job: TTSJob) -> bool:  # type: ignore[override]
         st: PiperState = job.engine_state
-        return bool(st.utts) and job.can_produce(time.monotonic())
+        if not st.utts:
+            return False
+        utt = st.utts[0]
+        return (utt.vocodable(utt.next_frame, self.b.vocoder.vocoder_context) > utt.next_frame
+                and job.can_produce(time.monotonic()))
 
     def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
         t0 = time.perf_counter()
@@ -123,7 +156,7 @@ class PiperVocodeLane(Lane):
             size = min(MIN_WINDOW, FIRST_WINDOW << st.windows)  # 8, 16, then at least 32
             while size * 2 <= min(MAX_WINDOW, buffered):
                 size *= 2
-            end = min(utt.frames, utt.next_frame + size)
+            end = min(utt.vocodable(utt.next_frame, self.b.vocoder.vocoder_context), utt.next_frame + size)
             items.append((job, utt, utt.next_frame, end))
         for _, utt, _, _ in items:
             utt.wait()
@@ -181,21 +214,42 @@ class PiperBackend(TTSBackend):
 
             raise UnsupportedError("the Piper voice does not take reference audio; serve a CSM model for that")
 
-    def synthesize_latents(self, text: str, params: StartParams, generator: torch.Generator | None) -> list[Utterance]:
+    def synthesize_latents(self, text: str, params: StartParams, generator: torch.Generator | None,
+                           publish: Callable[..., None] | None = None, head: bool = False) -> list[Utterance]:
+        """Latent frames for each sentence of ``text``. ``publish(utt)`` (if given) is called as
+        soon as an utterance's first frames are made, and ``publish(utt, grown=True)`` once the rest
+        are. With ``head`` (and generator and codec on the CPU), a first sentence longer than its
+        first two windows need runs its flow in two parts: the frames those windows read
+        (HEAD_FRAMES + 2 x the vocoder's context), published at once, then the rest."""
+        voice = self.voice
         out = []
-        for phonemes in self.voice.phonemize(text):
-            ids = self.voice.phoneme_ids(phonemes)
+        for phonemes in voice.phonemize(text):
+            ids = voice.phoneme_ids(phonemes)
             if len(ids) <= 3:  # ^ _ $ only: nothing to say
                 continue
-            x = torch.tensor([ids], dtype=torch.long, device=self.voice.device)
-            z = self.voice.generate(x, length_scale=self.voice.config.length_scale / params.speed,
-                                    generator=generator)
-            z = z.to(self.codec_device, non_blocking=True)
+            x = torch.tensor([ids], dtype=torch.long, device=voice.device)
+            z_p = voice.prior(x, length_scale=voice.config.length_scale / params.speed, generator=generator)
+            first = HEAD_FRAMES + 2 * self.vocoder.vocoder_context
+            if (head and not out and publish is not None and voice.device.type == "cpu"
+                    and self.vocoder.device.type == "cpu" and z_p.shape[2] > first + voice.flow_context):
+                with torch.inference_mode():
+                    z = torch.empty_like(z_p)
+                    z[:, :, :first] = voice.flow(z_p, 0, first)
+                    utt = Utterance(z, made=first)
+                    publish(utt)
+                    z[:, :, first:] = voice.flow(z_p, first)
+                utt.made = utt.frames  # after the frames are written: the codec worker reads up to made
+                publish(utt, grown=True)
+                out.append(utt)
+                continue
+            z = voice.flow(z_p).to(self.codec_device, non_blocking=True)
             ready = None
             if z.is_cuda:  # the codec lane runs on another CUDA stream: hand over with an event
                 ready = torch.cuda.Event()
                 ready.record()
             out.append(Utterance(z, ready=ready))
+            if publish is not None:
+                publish(out[-1])
         return out
 
     def vocode_batch(self, items: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:

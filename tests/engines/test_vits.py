@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from realtime.engines.vits import PiperVoice, dec_receptive_field, embedded_voice_paths, vocode_batch
+from realtime.engines.vits import (
+    PiperVoice,
+    dec_receptive_field,
+    embedded_voice_paths,
+    flow_receptive_field,
+    vocode_batch,
+)
 from realtime.errors import ConfigError, ModelFormatError, UnsupportedError
 
 SENTENCES = [
@@ -132,6 +138,46 @@ def test_chunked_equals_whole(voice: PiperVoice, latent: torch.Tensor) -> None:
         chunked = torch.cat(pieces)
         assert chunked.shape == whole.shape
         assert (chunked - whole).abs().max().item() <= 1e-4, n
+
+
+def test_flow_receptive_field_is_exact(voice: PiperVoice) -> None:
+    """The flow's output frame c changes when input frame c +- 32 changes, and is bit-identical for
+    +-33 (float64, so any real dependency shows)."""
+    assert voice.flow_context == flow_receptive_field(voice.config) == 32
+    flow = copy.deepcopy(voice.model.flow).double()
+    z = torch.randn(1, voice.latent_channels, 80, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    c = 40
+    with torch.inference_mode():
+        base = flow.reverse(z)[0, :, c]
+        for offset, depends in [(-33, False), (-32, True), (32, True), (33, False)]:
+            zp = z.clone()
+            zp[:, :, c + offset] += 3.0
+            diff = (flow.reverse(zp)[0, :, c] - base).abs().max().item()
+            assert (diff > 1e-12) == depends, (offset, diff)
+
+
+def test_flow_by_ranges_equals_whole(voice: PiperVoice) -> None:
+    """``flow`` over ranges that tile the utterance equals the whole flow, for ranges near both
+    edges, in the middle, and of several lengths; ``flow(prior(...))`` is ``generate(...)``."""
+    ids = torch.tensor([voice.phoneme_ids(voice.phonemize("The quick brown fox jumps over the lazy dog.")[0])])
+    z_p = voice.prior(ids, generator=torch.Generator().manual_seed(7))
+    whole = voice.flow(z_p)
+    assert torch.equal(whole, voice.generate(ids, generator=torch.Generator().manual_seed(7)))
+    f = z_p.shape[2]
+    assert f > 4 * voice.flow_context  # ranges that touch no edge exist
+    for n in (1, 24, 35, 64, f - 1):
+        pieces = [voice.flow(z_p, s, e) for s, e in _windows(f, n)]
+        assert [p.shape[2] for p in pieces] == [e - s for s, e in _windows(f, n)]
+        assert (torch.cat(pieces, dim=2) - whole).abs().max().item() <= 1e-4, n  # |z| up to ~30
+    # a head, then the rest (the served path's split)
+    head = voice.flow(z_p, 0, 35)
+    assert (torch.cat([head, voice.flow(z_p, 35)], dim=2) - whole).abs().max().item() <= 1e-4
+    assert not torch.equal(voice.flow(z_p, 0, 10), voice.flow(torch.flip(z_p, dims=[2]), 0, 10))  # it reads its input
+    for bad in [(0, 0), (-1, 5), (5, f + 1), (6, 5)]:
+        with pytest.raises(ConfigError):
+            voice.flow(z_p, *bad)
+    with pytest.raises(ConfigError):
+        voice.flow(z_p[:, :10])
 
 
 def test_equal_windows_run_as_one_call(voice: PiperVoice, latent: torch.Tensor) -> None:

@@ -95,6 +95,49 @@ async def test_stream_matches_offline_synthesis(live, piper_backend) -> None:  #
     assert np.abs(audio - ref).max() < 1e-3  # f32 on the wire; chunked vocoder == whole
 
 
+def _reads_up_to(f: int, start: int, end: int, ctx: int) -> int:
+    """The end of the slice of z that ``PiperVoice.vocode_batch`` decodes window [start, end) from."""
+    length = min(f, end - start + 2 * ctx)
+    return min(max(start - ctx, 0), f - length) + length
+
+
+def test_long_sentence_flow_hands_over_its_head_first(piper_backend) -> None:  # noqa: ANN001
+    """With nothing queued for the stream, a long sentence's first frames are published before the
+    rest of its flow runs, enough for the first two windows (8 and 16 frames) and no more; the
+    parts equal the whole flow. A short sentence, or one with audio queued before it, is one part."""
+    import torch
+
+    from realtime.protocol.tts import StartParams
+    from realtime.tts_piper import FIRST_WINDOW, HEAD_FRAMES
+
+    b = piper_backend
+    ctx = b.vocoder.vocoder_context
+    params = StartParams(voice=None, format="pcm_f32le", sample_rate=b.native_rate, chunk_ms=None)
+    text = "The quick brown fox jumps over the lazy dog. Hello."
+    seen: list[tuple[int, int, bool]] = []
+
+    def publish(utt, grown=False) -> None:  # noqa: ANN001
+        seen.append((utt.made, utt.frames, grown))
+        if not grown and utt.made < utt.frames:  # what the codec worker may decode at this moment
+            assert utt.vocodable(0, ctx) >= FIRST_WINDOW and utt.vocodable(FIRST_WINDOW, ctx) >= HEAD_FRAMES
+            for start in range(0, utt.made):  # the furthest window vocode_batch decodes from made frames
+                end = utt.vocodable(start, ctx)
+                assert _reads_up_to(utt.frames, start, end, ctx) <= utt.made or end == start
+                assert _reads_up_to(utt.frames, start, end + 1, ctx) > utt.made
+
+    utts = b.synthesize_latents(text, params, torch.Generator().manual_seed(3), publish=publish, head=True)
+    first = HEAD_FRAMES + 2 * ctx
+    (long_f, short_f) = (u.frames for u in utts)
+    assert long_f > first + b.voice.flow_context >= short_f
+    assert seen == [(first, long_f, False), (long_f, long_f, True), (short_f, short_f, False)]
+    whole = b.synthesize_latents(text, params, torch.Generator().manual_seed(3), head=True)  # no publish: one part
+    for u, w in zip(utts, whole, strict=True):
+        assert (u.z - w.z).abs().max().item() <= 1e-4
+    seen.clear()
+    b.synthesize_latents(text, params, torch.Generator().manual_seed(3), publish=publish, head=False)
+    assert seen == [(long_f, long_f, False), (short_f, short_f, False)]
+
+
 async def _raw(live, frames: list[bytes | str]) -> tuple[list[dict], int | None]:  # noqa: ANN001
     async with websockets.connect(f"{live.ws}/v1/tts", max_size=None) as ws:
         for f in frames:
