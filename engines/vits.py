@@ -922,13 +922,10 @@ class PiperVoice:
     def vocode_batch(self, items: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
         """PCM for frames [start, end) of many utterances (z [1, C, F] each), batched by shape.
 
-        Each window is decoded from a slice of its utterance that reaches ``vocoder_context``
-        frames past both ends, or stops at a true utterance edge (where the decoder's own zero
-        padding then matches the whole-utterance run). Near an edge the slice is shifted inwards
-        instead of shortened, so every window of n frames in an utterance of F frames decodes a
-        slice of min(F, n + 2 * context) frames: equal-length windows share one decoder call.
+        Each window is decoded from the slice ``window_slice`` gives; windows whose slices are of
+        one length and which are of one length themselves share one decoder call.
         """
-        ctx, hop = self.vocoder_context, self.hop
+        hop = self.hop
         plan: list[tuple[int, int, int]] = []  # (slice lo, slice length, crop offset in frames)
         groups: dict[tuple[int, int], list[int]] = {}
         for n, (z, start, end) in enumerate(items):
@@ -938,8 +935,7 @@ class PiperVoice:
             f = z.shape[2]
             if not 0 <= start < end <= f:
                 raise ConfigError(f"window [{start}, {end}) is not inside [0, {f})")
-            length = min(f, end - start + 2 * ctx)
-            lo = min(max(start - ctx, 0), f - length)
+            lo, length = self.window_slice(f, start, end)
             plan.append((lo, length, start - lo))
             groups.setdefault((length, end - start), []).append(n)
 
@@ -951,6 +947,29 @@ class PiperVoice:
                 off = plan[i][2] * hop
                 out[i] = pcm[row, off : off + n_frames * hop]
         return out  # type: ignore[return-value]
+
+    def window_slice(self, f: int, start: int, end: int) -> tuple[int, int]:
+        """(lo, length): the slice of an utterance of f frames that window [start, end) is decoded
+        from. It reaches ``vocoder_context`` frames past both ends, or stops at a true utterance
+        edge, where the decoder's own zero padding then matches the whole-utterance run.
+        A window at the start takes [0, end + context): a stream's first window (the first audio)
+        decodes no frames it does not need, and every stream's first window has one shape.
+        Elsewhere, near an edge the slice is shifted inwards instead of shortened, so a window of
+        n frames decodes min(f, n + 2 * context) frames, and equal windows batch."""
+        ctx = self.vocoder_context
+        if start == 0:
+            return 0, min(f, end + ctx)
+        length = min(f, end - start + 2 * ctx)
+        return min(max(start - ctx, 0), f - length), length
+
+    def window_reach(self, f: int, start: int, made: int) -> int:
+        """The furthest end e of a window [start, e) of an utterance of f frames whose slice
+        (``window_slice``) lies in its first ``made`` frames; start where there is none."""
+        if made >= f:
+            return f
+        ctx = self.vocoder_context
+        end = made - ctx if start == 0 else min(made - ctx, start + made - 2 * ctx)
+        return max(start, end)
 
     def _check_latent(self, z: torch.Tensor) -> None:
         if z.dim() != 3 or z.shape[1] != self.latent_channels or z.shape[2] == 0:

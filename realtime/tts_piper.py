@@ -19,12 +19,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from realtime.protocol.tts import StartParams
 from realtime.scheduler import Lane
 from realtime.tts import TTSBackend, TTSJob
+
+if TYPE_CHECKING:
+    from realtime.engines.vits import PiperVoice
 
 log = logging.getLogger("realtime.piper")
 
@@ -50,14 +54,9 @@ class Utterance:
         if self.made < 0:
             self.made = self.frames
 
-    def vocodable(self, start: int, context: int) -> int:
-        """How far a window starting at ``start`` may reach now. ``vocode_batch`` decodes frames
-        [s, e) from z up to max(e + context, e - s + 2 context) (its slice is shifted inwards at the
-        start edge), so before the whole of z is made, e is at most min(made - context,
-        s + made - 2 context)."""
-        if self.made >= self.frames:
-            return self.frames
-        return max(start, min(self.made - context, start + self.made - 2 * context))
+    def vocodable(self, start: int, voice: PiperVoice) -> int:
+        """How far a window starting at ``start`` may reach with the frames made so far."""
+        return voice.window_reach(self.frames, start, self.made)
 
     def wait(self) -> None:
         """Make the codec worker's stream wait for the generator's stream (no host sync)."""
@@ -135,7 +134,7 @@ class PiperVocodeLane(Lane):
         if not st.utts:
             return False
         utt = st.utts[0]
-        return (utt.vocodable(utt.next_frame, self.b.vocoder.vocoder_context) > utt.next_frame
+        return (utt.vocodable(utt.next_frame, self.b.vocoder) > utt.next_frame
                 and job.can_produce(time.monotonic()))
 
     def run(self, jobs: list[TTSJob]) -> None:  # type: ignore[override]
@@ -156,7 +155,7 @@ class PiperVocodeLane(Lane):
             size = min(MIN_WINDOW, FIRST_WINDOW << st.windows)  # 8, 16, then at least 32
             while size * 2 <= min(MAX_WINDOW, buffered):
                 size *= 2
-            end = min(utt.vocodable(utt.next_frame, self.b.vocoder.vocoder_context), utt.next_frame + size)
+            end = min(utt.vocodable(utt.next_frame, self.b.vocoder), utt.next_frame + size)
             items.append((job, utt, utt.next_frame, end))
         for _, utt, _, _ in items:
             utt.wait()
@@ -267,5 +266,7 @@ class PiperBackend(TTSBackend):
         (utt,) = self.synthesize_latents("Warming up.", params, None)
         sizes = sorted({FIRST_WINDOW << k for k in range(8) if FIRST_WINDOW << k <= MAX_WINDOW} | {MIN_WINDOW, MAX_WINDOW})
         z = torch.cat([utt.z] * -(-(MAX_WINDOW + 2 * self.voice.vocoder_context) // utt.frames), dim=2)
-        self.vocode_batch([(z, 0, n) for n in sizes])
+        # the first window starts at the utterance's edge; later ones have context on both sides
+        ctx = self.vocoder.vocoder_context
+        self.vocode_batch([(z, 0, FIRST_WINDOW)] + [(z, ctx, ctx + n) for n in sizes])
         log.info("warmed up Piper in %.2fs", time.perf_counter() - t0)

@@ -187,8 +187,10 @@ def test_equal_windows_run_as_one_call(voice: PiperVoice, latent: torch.Tensor) 
         voice.vocode_windows(latent, [(0, 8), (8, 16), (30, 38), (60, latent.shape[2])])
     finally:
         handle.remove()
-    # Three 8-frame windows (one at the start edge, shifted inwards) share a call.
-    assert [s[0] for s in calls] == [3, 1]
+    # The first window decodes [0, 8 + 11); the next two 8-frame windows (one near the start edge,
+    # shifted inwards) share a call; the last runs alone.
+    assert [tuple(s) for s in calls] == [(1, voice.latent_channels, 8 + voice.vocoder_context)] + [
+        (2, voice.latent_channels, 8 + 2 * voice.vocoder_context), (1, voice.latent_channels, latent.shape[2] - 60 + 2 * voice.vocoder_context)]
 
 
 def test_vocode_batch_across_utterances(voice: PiperVoice, latent: torch.Tensor) -> None:

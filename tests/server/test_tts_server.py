@@ -95,12 +95,6 @@ async def test_stream_matches_offline_synthesis(live, piper_backend) -> None:  #
     assert np.abs(audio - ref).max() < 1e-3  # f32 on the wire; chunked vocoder == whole
 
 
-def _reads_up_to(f: int, start: int, end: int, ctx: int) -> int:
-    """The end of the slice of z that ``PiperVoice.vocode_batch`` decodes window [start, end) from."""
-    length = min(f, end - start + 2 * ctx)
-    return min(max(start - ctx, 0), f - length) + length
-
-
 def test_long_sentence_flow_hands_over_its_head_first(piper_backend) -> None:  # noqa: ANN001
     """With nothing queued for the stream, a long sentence's first frames are published before the
     rest of its flow runs, enough for the first two windows (8 and 16 frames) and no more; the
@@ -119,11 +113,12 @@ def test_long_sentence_flow_hands_over_its_head_first(piper_backend) -> None:  #
     def publish(utt, grown=False) -> None:  # noqa: ANN001
         seen.append((utt.made, utt.frames, grown))
         if not grown and utt.made < utt.frames:  # what the codec worker may decode at this moment
-            assert utt.vocodable(0, ctx) >= FIRST_WINDOW and utt.vocodable(FIRST_WINDOW, ctx) >= HEAD_FRAMES
-            for start in range(0, utt.made):  # the furthest window vocode_batch decodes from made frames
-                end = utt.vocodable(start, ctx)
-                assert _reads_up_to(utt.frames, start, end, ctx) <= utt.made or end == start
-                assert _reads_up_to(utt.frames, start, end + 1, ctx) > utt.made
+            v = b.vocoder
+            assert utt.vocodable(0, v) >= FIRST_WINDOW and utt.vocodable(FIRST_WINDOW, v) >= HEAD_FRAMES
+            for start in range(0, utt.made):  # the furthest window whose slice lies in the made frames
+                end = utt.vocodable(start, v)
+                assert end == start or sum(v.window_slice(utt.frames, start, end)) <= utt.made
+                assert sum(v.window_slice(utt.frames, start, end + 1)) > utt.made
 
     utts = b.synthesize_latents(text, params, torch.Generator().manual_seed(3), publish=publish, head=True)
     first = HEAD_FRAMES + 2 * ctx
