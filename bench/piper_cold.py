@@ -1,5 +1,6 @@
-"""The embedded Piper voice's first stream after a server start: each of the vocoder lane's first
-windows (8, 16, 32, 64 frames), timed in fresh processes after the backend's warm-up
+"""The embedded Piper voice's first stream after a server start: the first part of a long
+sentence's split flow (``flow head``), then each of the vocoder lane's first windows (8, 16, 32, 64
+frames), timed in fresh processes after the backend's warm-up
 (``PiperBackend.warmup``, as ``realtime serve`` runs it) and, alternating, after a warm-up of one
 utterance only (the warm-up before 2026-12-07). On the CPU the conv library builds its kernels for
 each new shape on first use, so a cold shape costs the first stream.
@@ -24,6 +25,7 @@ from _common import commit  # bench/ is on sys.path when a script runs
 ROOT = Path(__file__).resolve().parents[1]
 WINDOWS = (8, 16, 32, 64)
 TEXT = "Hello there, how are you today?"
+LONG = "The committee met on Tuesday to discuss the new budget."  # ~250 frames: its flow is split
 
 
 def child(mode: str, threads: int) -> dict:
@@ -31,7 +33,7 @@ def child(mode: str, threads: int) -> dict:
     import torch
 
     from realtime.protocol.tts import StartParams
-    from realtime.tts_piper import MAX_WINDOW, PiperBackend
+    from realtime.tts_piper import HEAD_FRAMES, MAX_WINDOW, PiperBackend
 
     torch.set_num_threads(threads)
     b = PiperBackend()
@@ -43,6 +45,11 @@ def child(mode: str, threads: int) -> dict:
         for u in b.synthesize_latents("Warming up.", params, None):
             b.vocode_batch([(u.z, 0, min(u.frames, MAX_WINDOW))])
     out = {"warmup_ms": (time.perf_counter() - t0) * 1000}
+    v = b.voice
+    z_p = v.prior(torch.tensor([v.phoneme_ids(v.phonemize(LONG)[0])]), generator=torch.Generator().manual_seed(1))
+    t0 = time.perf_counter()
+    v.flow(z_p, 0, HEAD_FRAMES + 2 * b.vocoder.vocoder_context)
+    out["flow head"] = (time.perf_counter() - t0) * 1000
     (u,) = b.synthesize_latents(TEXT, params, torch.Generator().manual_seed(1))
     s = 0
     for n in WINDOWS:
@@ -73,9 +80,10 @@ def main() -> int:
             runs[mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
     med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
     names = {"utterance": "one utterance", "warmup": "PiperBackend.warmup"}
-    print(f"\n{'warm-up':<22}{'warm-up ms':>11}" + "".join(f"{f'{n}-frame ms':>14}" for n in WINDOWS))
+    print(f"\n{'warm-up':<22}{'warm-up ms':>11}{'flow head ms':>14}" + "".join(f"{f'{n}-frame ms':>14}" for n in WINDOWS))
     for mode, m in med.items():
-        print(f"{names[mode]:<22}{m['warmup_ms']:>11.1f}" + "".join(f"{m[str(n)]:>14.1f}" for n in WINDOWS))
+        print(f"{names[mode]:<22}{m['warmup_ms']:>11.1f}{m['flow head']:>14.1f}"
+              + "".join(f"{m[str(n)]:>14.1f}" for n in WINDOWS))
     res = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": args.threads, "text": TEXT,
            "windows": list(WINDOWS), "median_ms": med, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -255,18 +255,22 @@ class PiperBackend(TTSBackend):
         return self.vocoder.vocode_batch(items)
 
     def warmup(self) -> None:
-        """One utterance through both stages: its latent, repeated to be long enough, through the
-        vocoder lane's window shapes of one stream (FIRST_WINDOW, its doublings, MAX_WINDOW: each
-        decodes a slice of n + 2 x context frames; one decoder call a size).
+        """One utterance through both stages, then the shapes a stream always meets: the first
+        part of a split flow (HEAD_FRAMES + 2 x the vocoder's context, with the flow's context),
+        and the vocoder lane's window shapes of one stream (the first window from the start edge,
+        FIRST_WINDOW's doublings and MAX_WINDOW with context on both sides; one decoder call a
+        size), on the utterance's latent repeated to be long enough.
         On the CPU the conv library builds its kernels for each new shape on first use, which
         cost a cold server's first stream ~30 ms of its first window and ~35-50 ms of each larger
         one (2-core VM)."""
         t0 = time.perf_counter()
         params = StartParams(voice=None, format="pcm_f32le", sample_rate=self.native_rate, chunk_ms=None)
         (utt,) = self.synthesize_latents("Warming up.", params, None)
-        sizes = sorted({FIRST_WINDOW << k for k in range(8) if FIRST_WINDOW << k <= MAX_WINDOW} | {MIN_WINDOW, MAX_WINDOW})
-        z = torch.cat([utt.z] * -(-(MAX_WINDOW + 2 * self.voice.vocoder_context) // utt.frames), dim=2)
-        # the first window starts at the utterance's edge; later ones have context on both sides
         ctx = self.vocoder.vocoder_context
+        first = HEAD_FRAMES + 2 * ctx
+        long = MAX_WINDOW + 2 * ctx
+        z = torch.cat([utt.z] * -(-max(long, first + self.voice.flow_context + 1) // utt.frames), dim=2)
+        self.voice.flow(z.to(self.voice.device), 0, first)  # (any latent: only the shape matters)
+        sizes = sorted({FIRST_WINDOW << k for k in range(8) if FIRST_WINDOW << k <= MAX_WINDOW} | {MIN_WINDOW, MAX_WINDOW})
         self.vocode_batch([(z, 0, FIRST_WINDOW)] + [(z, ctx, ctx + n) for n in sizes])
         log.info("warmed up Piper in %.2fs", time.perf_counter() - t0)
