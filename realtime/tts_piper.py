@@ -255,22 +255,19 @@ class PiperBackend(TTSBackend):
         return self.vocoder.vocode_batch(items)
 
     def warmup(self) -> None:
-        """One utterance through both stages, then the shapes a stream always meets: the first
-        part of a split flow (HEAD_FRAMES + 2 x the vocoder's context, with the flow's context),
-        and the vocoder lane's window shapes of one stream (the first window from the start edge,
-        FIRST_WINDOW's doublings and MAX_WINDOW with context on both sides; one decoder call a
-        size), on the utterance's latent repeated to be long enough.
+        """One utterance through both stages, then the vocoder lane's window shapes of one stream
+        (the first window from the start edge, FIRST_WINDOW's doublings and MAX_WINDOW with
+        context on both sides; one decoder call a size), on its latent repeated to be long enough.
         On the CPU the conv library builds its kernels for each new shape on first use, which
         cost a cold server's first stream ~30 ms of its first window and ~35-50 ms of each larger
-        one (2-core VM)."""
+        one (2-core VM). The generator's convs are small enough that PyTorch runs them on its own
+        path, which builds nothing per shape: a split flow's first part took as long after this
+        warm-up as without it (``bench/piper_cold.py``), so it is not warmed."""
         t0 = time.perf_counter()
         params = StartParams(voice=None, format="pcm_f32le", sample_rate=self.native_rate, chunk_ms=None)
         (utt,) = self.synthesize_latents("Warming up.", params, None)
         ctx = self.vocoder.vocoder_context
-        first = HEAD_FRAMES + 2 * ctx
-        long = MAX_WINDOW + 2 * ctx
-        z = torch.cat([utt.z] * -(-max(long, first + self.voice.flow_context + 1) // utt.frames), dim=2)
-        self.voice.flow(z.to(self.voice.device), 0, first)  # (any latent: only the shape matters)
+        z = torch.cat([utt.z] * -(-(MAX_WINDOW + 2 * ctx) // utt.frames), dim=2)
         sizes = sorted({FIRST_WINDOW << k for k in range(8) if FIRST_WINDOW << k <= MAX_WINDOW} | {MIN_WINDOW, MAX_WINDOW})
         self.vocode_batch([(z, 0, FIRST_WINDOW)] + [(z, ctx, ctx + n) for n in sizes])
         log.info("warmed up Piper in %.2fs", time.perf_counter() - t0)
