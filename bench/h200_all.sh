@@ -9,7 +9,8 @@
 #    then sampled decoding (temperature 1, the API default) at batch 1/8/128.
 # COMMIT, OUT_DIR and the one results.tgz: see bench/h200_run.sh. PARTS (env) picks a subset,
 # e.g. PARTS="text csm" (default: csm tts text), to split the run over two calls when one would
-# pass the device's 10-minute limit. CSM_BATCHES (default "1 8 64") and CSM_TIMEOUT (300 s) trim the CSM part.
+# pass the device's 10-minute limit. CSM_BATCHES (default "1 8 64") and CSM_TIMEOUT (300 s) trim the CSM part;
+# TEXT_SAMPLED=0 leaves the text part's sampled rows out.
 # STACK=cuda runs the csm and text parts' engines with the CUDA C++ decode stack (REALTIME_STACK=csm or
 # text, REALTIME_STACK_KERNEL=cuda: one-row steps, so batch 1); the served tts part keeps the layer path
 # (the stack's persistent kernel would wait on the codec's kernels beside it).
@@ -64,10 +65,12 @@ echo "== text decode"
 env $(stack_env text) $text_env timeout 200 python3 bench/text.py --profile --out "$work/text_h200.json" > "$work/text.log" 2>&1
 grep -v "GEMV choice" "$work/text.log" | grep "^ours\|^hf\|floor\|device-only\|parity" | tail -20
 
+if [ "${TEXT_SAMPLED:-1}" != 0 ]; then  # TEXT_SAMPLED=0: greedy rows only (a shorter call)
 echo "== text decode, sampled (temperature 1, no top-k/top-p: the API default)"
 env $(stack_env text) $text_env timeout 90 python3 bench/text.py --temperature 1.0 --batches 1 8 128 --no-hf --out "$work/text_h200_sampled.json" \
   > "$work/text_sampled.log" 2>&1
 grep "^ours" "$work/text_sampled.log"
+fi
 fi
 
 pack_results
