@@ -447,8 +447,10 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
             else:
                 used = mask.shape[-1]  # the keys the mask spans (a prefix of the cache on the CPU)
-                k = cache.k[layer, slots, :, :used].to(q.dtype)  # [B, Hkv, S used, D]
-                v = cache.v[layer, slots, :, :used].to(q.dtype)
+                # [B, Hkv, S used, D]; one CPU slot is a view of the cache (a gather copies)
+                rows = slice(s := int(slots[0]), s + 1) if slots.numel() == 1 and slots.device.type == "cpu" else slots
+                k = cache.k[layer, rows, :, :used].to(q.dtype)
+                v = cache.v[layer, rows, :, :used].to(q.dtype)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
