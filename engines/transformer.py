@@ -266,13 +266,21 @@ def use_gemv(w: Tensor, bias: Tensor | None = None, swiglu: bool = False, partia
 class CPUProduct:
     """A weight's faster CPU product, attached to the weight as ``w.cpu_product`` (``project`` uses
     it for CPU inputs): 4-bit codes with a bf16 scale and offset per 32 inputs, w = (q - 8) * scale
-    + zero, for torch's CPU int4 GEMM (GGUF Q4_0 / Q4_1 weights, exactly their codes); or the
-    weight in bfloat16 (``codes`` None). Either way the product runs on bf16 inputs and returns x's
+    + zero, for torch's CPU int4 GEMM (GGUF Q4_0 / Q4_1 weights, exactly their codes); the weight
+    as symmetric int8 with a bf16 scale a row (``int8``: torch's CPU int8 GEMM, for a weight read
+    whole every step, such as the LM head); or the weight in bfloat16 (``codes`` None). Either way the product runs on bf16 inputs and returns x's
     dtype. On a 2-core AVX512-BF16 VM the embedded SmolLM2 decodes ~2.5× faster than in float32."""
 
     def __init__(self, w: Tensor | None, codes: Tensor | None = None, scale: Tensor | None = None,
-                 zero: Tensor | None = None) -> None:
-        self.bf16 = None
+                 zero: Tensor | None = None, int8: bool = False) -> None:
+        self.bf16 = self.int8 = None
+        if int8:  # symmetric int8 a row, bf16 scale: torch's CPU int8 GEMM (half the bytes of bf16)
+            assert w is not None and codes is None
+            w = w.detach().float()
+            s = w.abs().amax(1).clamp_min(1e-30) / 127
+            self.int8 = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.int8_scale = s.to(torch.bfloat16)
+            return
         if codes is None:
             assert w is not None
             self.bf16 = w.detach().to(torch.bfloat16)
@@ -286,6 +294,9 @@ class CPUProduct:
         xb = x.to(torch.bfloat16)
         if self.bf16 is not None:
             y = F.linear(xb, self.bf16)
+        elif self.int8 is not None:
+            y = torch.ops.aten._weight_int8pack_mm(xb.reshape(-1, x.shape[-1]).contiguous(), self.int8,
+                                                   self.int8_scale).reshape(*x.shape[:-1], -1)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.reshape(-1, x.shape[-1]).contiguous(), self.packed, 32,
                                                             self.scales_zeros).reshape(*x.shape[:-1], -1)

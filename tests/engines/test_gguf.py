@@ -148,6 +148,11 @@ def test_cpu_native_answers_like_the_exact_model(ours: TextModel, greedy_runs) -
             assert fused is not None and fused.bf16 is None
             want = torch.nn.functional.linear(h, torch.cat([m.weight for m in lins]))
             assert ((fused(h, None) - want).norm() / want.norm()).item() < 2e-2
+    # The LM head (the tied Q8_0 embedding) runs as int8 a row.
+    head = native.embed_tokens.weight.cpu_product
+    assert head.int8 is not None and head.int8.dtype == torch.int8 and head.int8.shape == native.embed_tokens.weight.shape
+    want = torch.nn.functional.linear(h, native.embed_tokens.weight)
+    assert ((head(h, None) - want).norm() / want.norm()).item() < 2e-2
 
 
 def _strings(n: int) -> list[str]:
