@@ -268,8 +268,9 @@ class CPUProduct:
     it for CPU inputs): 4-bit codes with a bf16 scale and offset per 32 inputs, w = (q - 8) * scale
     + zero, for torch's CPU int4 GEMM (GGUF Q4_0 / Q4_1 weights, exactly their codes); the weight
     as symmetric int8 with a bf16 scale a row (``int8``: torch's CPU int8 GEMM, for a weight read
-    whole every step, such as the LM head); or the weight in bfloat16 (``codes`` None). Either way the product runs on bf16 inputs and returns x's
-    dtype. On a 2-core AVX512-BF16 VM the embedded SmolLM2 decodes ~2.5× faster than in float32."""
+    whole every step, such as the LM head); or the weight in bfloat16 (``codes`` None). Either way
+    the product runs on bf16 inputs and returns x's dtype. On a 2-core AVX512-BF16 VM the embedded
+    SmolLM2 decodes ~2.5× faster than in float32."""
 
     def __init__(self, w: Tensor | None, codes: Tensor | None = None, scale: Tensor | None = None,
                  zero: Tensor | None = None, int8: bool = False) -> None:
