@@ -450,17 +450,23 @@ class Attention(nn.Module):
             return linear(self.o_proj, out.reshape(b, 1, cfg.n_heads * cfg.head_dim).to(x.dtype))
         if cache is not None:
             assert slots is not None
-            # Advanced indices [B,1] and [B,T] separated by a slice: the indexed view is [B, T, Hkv, D].
-            cache.k[layer, slots[:, None], :, pos] = k.transpose(1, 2).to(cache.dtype)
-            cache.v[layer, slots[:, None], :, pos] = v.transpose(1, 2).to(cache.dtype)
+            one = slots.numel() == 1 and slots.device.type == "cpu"  # one CPU row: views, no index ops
+            if one:
+                s = int(slots[0])
+            if one and t == 1:
+                p = int(pos[0, 0])
+                cache.k[layer, s, :, p] = k[0, :, 0]
+                cache.v[layer, s, :, p] = v[0, :, 0]
+            else:  # advanced indices [B,1] and [B,T] separated by a slice: the indexed view is [B, T, Hkv, D]
+                cache.k[layer, slots[:, None], :, pos] = k.transpose(1, 2).to(cache.dtype)
+                cache.v[layer, slots[:, None], :, pos] = v.transpose(1, 2).to(cache.dtype)
             if mask is None:  # a fresh prefill: these T inputs are all the keys (see Transformer.forward)
                 if cache.dtype != q.dtype:  # attend to what the cache holds, as the masked path does
                     k, v = k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
             else:
                 used = mask.shape[-1]  # the keys the mask spans (a prefix of the cache on the CPU)
-                # [B, Hkv, S used, D]; one CPU slot is a view of the cache (a gather copies)
-                rows = slice(s := int(slots[0]), s + 1) if slots.numel() == 1 and slots.device.type == "cpu" else slots
+                rows = slice(s, s + 1) if one else slots  # [B, Hkv, S used, D]: one row's a view (a gather copies)
                 k = cache.k[layer, rows, :, :used].to(q.dtype)
                 v = cache.v[layer, rows, :, :used].to(q.dtype)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=cfg.n_heads != cfg.n_kv_heads)
