@@ -33,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, tts_model=args.tts_model, warmup=not args.no_warmup,
         tts_slots=args.tts_slots, cuda_graphs=not args.eager,
         text_slots=args.text_slots, text_context=args.text_context, text_exact=args.text_exact,
+        text_prefix_reuse=not args.no_prefix_reuse,
         asr_model=args.asr_model, text_model=args.text_model, image_model=args.image_model,
         video_model=args.video_model,
         enable_asr=not args.no_asr and _have("realtime.asr_service"),
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--text-exact", action="store_true",
                    help="CPU text: dequantize every weight to float32 (transformers' numbers, ~2.6x slower than the "
                         "default, which runs a GGUF's own Q4_0/Q4_1 codes and bfloat16 products)")
+    s.add_argument("--no-prefix-reuse", action="store_true",
+                   help="CPU text: never reuse the K/V of a prompt prefix that another request left in a slot "
+                        "(on by default: the replies are the same either way, but a shared prefix answers sooner)")
     s.add_argument("--tts-slots", type=int, default=16, help="CSM: concurrent streams (KV-cache slots)")
     s.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging)")
     s.add_argument("--text-slots", type=int, default=None, help="text decode: concurrent requests")

@@ -29,6 +29,10 @@ class ServerConfig:
     text_slots: int | None = None  # text decode: concurrent requests with a KV-cache slot (default per device)
     text_context: int | None = None  # text decode: tokens per slot
     text_exact: bool = False  # CPU text: every weight dequantized to float32 (else the GGUF's own 4-bit codes)
+    # CPU text: a new prompt reuses the K/V of a prefix another request left in a free slot (the
+    # system prompt, a conversation's history; exact). Off for deployments whose users must not
+    # share anything, timing included: a reused prefix answers sooner.
+    text_prefix_reuse: bool = True
     enable_asr: bool = False
     enable_text: bool = False
     warmup: bool = True

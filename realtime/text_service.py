@@ -646,6 +646,7 @@ class TextService(Service):
         seq = min(seq, self.model.max_seq_len)
         graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
         self.engine = BatchDecoder(self.model, n, seq, cuda_graphs=graphs)
+        self.engine.reuse_prefix &= self.config.text_prefix_reuse
         log.info("text model %s: %d slots x %d tokens on %s in %.1fs", self.model.name, n, seq,
                  self.config.generator_device, time.perf_counter() - t0)
 

@@ -78,3 +78,32 @@ def test_slot_pool_takes_the_best_scoring_free_slot() -> None:
     assert pool.take(score.get) == 2
     assert pool.take(score.get) == 3
     assert pool.take(lambda s: 0) == 1 and pool.take(score.get) is None
+
+
+def test_prefix_reuse_can_be_turned_off(model: TextModel, monkeypatch) -> None:  # noqa: ANN001
+    """``realtime serve --no-prefix-reuse`` → ServerConfig.text_prefix_reuse False → no slot reuses a
+    prefix (the default reuses)."""
+    import realtime.server
+    from realtime.cli import main
+    from realtime.config import ServerConfig
+    from realtime.errors import ConfigError
+    from realtime.text_service import TextService
+
+    seen = []
+
+    def refuse(cfg, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202 - stands in for the app: the config is all we need
+        seen.append(cfg)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(realtime.server, "create_app", refuse)
+    assert main(["serve", "--no-prefix-reuse"]) == 2 and main(["serve"]) == 2
+    assert [c.text_prefix_reuse for c in seen] == [False, True]
+
+    for on in (False, True):
+        svc = TextService(ServerConfig(text_prefix_reuse=on), n_slots=1, max_seq_len=256)
+        svc.model = model  # (load() reads the embedded model again otherwise)
+        svc.load()
+        eng = svc.engine
+        ids = _ids(model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello there."}])
+        _reply(eng, 0, ids, 2)
+        assert eng.reuse_prefix is on and (eng.shared(0, ids + [5]) > 0) is on
