@@ -56,7 +56,7 @@ TOKEN_SLACK_S = 0.2  # a reader needs the next token within this; speech due soo
 MIN_ROOM = 4  # output channel items kept free before a decode step (back-pressure)
 MAX_QUEUED_PER_SLOT = 4  # requests waiting for a slot, per slot, before submit refuses
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# CPU prefill runs on a grid of chunks of this many positions (see DecodeEngine): a prompt prefix a
+# CPU prefill runs on a grid of chunks of this many positions (see BatchDecoder): a prompt prefix a
 # slot holds is reused in whole chunks. 32 rows a pass cost ~25 % more a token than one pass over a
 # 500-token prompt (2-core VM), and a reused turn saves all of its history's chunks.
 PREFIX_CHUNK = 32
@@ -481,13 +481,14 @@ class SlotPool:
 
     def take(self, score: Callable[[int], int] | None = None) -> int | None:
         """A free slot (None: none): the last one given back, or with ``score`` the free slot that
-        scores highest (ties: the last one given back)."""
+        scores highest. Ties go to the one given back longest ago: the most recent ones likely hold
+        conversations whose next turn is coming."""
         with self.lock:
             if not self.free:
                 return None
             if score is None:
                 return self.free.pop()
-            best = max(range(len(self.free)), key=lambda i: (score(self.free[i]), i))
+            best = max(range(len(self.free)), key=lambda i: (score(self.free[i]), -i))
             return self.free.pop(best)
 
     def give(self, slot: int) -> None:

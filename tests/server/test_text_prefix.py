@@ -74,10 +74,13 @@ def test_slot_pool_takes_the_best_scoring_free_slot() -> None:
     pool.give(0)
     pool.give(1)
     score = {0: 64, 1: 0, 2: 64, 3: 32}
-    assert pool.take(score.get) == 0  # 0 and 2 tie at 64: the last one given back of them
-    assert pool.take(score.get) == 2
+    assert pool.take(score.get) == 2  # 0 and 2 tie at 64: the one given back longest ago (2 never was)
+    assert pool.take(score.get) == 0
     assert pool.take(score.get) == 3
     assert pool.take(lambda s: 0) == 1 and pool.take(score.get) is None
+    pool.give(1)
+    pool.give(3)
+    assert pool.take(lambda s: 0) == 1  # all tie: the least recently given back
 
 
 def test_prefix_reuse_can_be_turned_off(model: TextModel, monkeypatch) -> None:  # noqa: ANN001
