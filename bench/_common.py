@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,3 +21,21 @@ def commit() -> str:
                                        stderr=subprocess.DEVNULL).strip() or "unknown"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def log(msg: str) -> None:
+    """A progress line with the time of day (long runs show where they are)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-th percentile of xs (None for no values)."""
+    import numpy as np
+
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def write_json(path: str | Path, res: object) -> None:
+    """A bench's results as indented JSON at ``path`` (its folder made where missing)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res, indent=2))

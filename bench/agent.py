@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, log, pct, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -37,14 +36,6 @@ QUESTIONS = {
     "ocean": "Can you tell me something interesting about the ocean?",
 }
 PARTS = ("asr_final_ms", "llm_ttft_ms", "tts_ttfa_ms")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
 
 
 def prompts() -> dict[str, tuple[np.ndarray, int, str]]:
@@ -162,8 +153,7 @@ def main() -> int:
               f"{sum(t.get('underruns') or 0 for t in r['turns']):>11}")
     print("(ms; turn = end of the user's speech -> first agent audio sent. The end is where the VAD put it (150 ms of\n"
           " padding after the last speech); the VAD says so after 500 ms of silence, so ~350 ms of the ASR column is that wait)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_json(args.out, res)
     plot(res, args.plot)
     log(f"wrote {args.out} and {args.plot}")
     return 0

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import sys
 import threading
@@ -50,6 +49,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from _common import log, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -62,10 +63,6 @@ SENTENCES = ["The weather is nice today.", "The train leaves at noon.", "She rea
 
 def pct(xs: list[float], q: float) -> float | None:
     return round(float(np.percentile(xs, q)), 1) if xs else None
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def read_wav(path: Path) -> np.ndarray:
@@ -382,8 +379,7 @@ def main() -> int:
            "wall_s": round(time.time() - t0, 1),
            "note": f"{args.reference} latency is the decode time of a whole utterance after it ends (no VAD "
                    "hangover, no partials); ours is measured on a live WebSocket stream"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_json(args.out, out)
     log(f"wrote {args.out} in {out['wall_s']} s")
     return 0
 

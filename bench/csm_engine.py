@@ -20,13 +20,9 @@ from pathlib import Path
 
 import torch
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, log, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def byte_tokenizer(folder: Path) -> None:
@@ -204,8 +200,7 @@ def main() -> int:
     res["sampler_measured"] = sampling.choices()
     log(f"sampler choice (digit bits / warps: us a row) {res['sampler_measured']}")
     res["gpu_mem_peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_json(args.out, res)
     print(json.dumps({k: v for k, v in res.items() if not k.startswith("profile")}, indent=2))
     return 0
 

@@ -33,17 +33,13 @@ from pathlib import Path
 
 import torch
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, log  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 
 SPEECH = ("The committee met on Tuesday to discuss the new budget. After a long debate, they agreed "
           "to fund the library renovation. Work will begin early next spring.")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def sync(device: str) -> None:

@@ -26,7 +26,6 @@ The outputs of all variants are compared with the first over 24 frames.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,14 +33,10 @@ from pathlib import Path
 
 import torch
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, log, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED_SLOTS = 257
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def build(device: str, dtype: torch.dtype):  # noqa: ANN201
@@ -265,8 +260,7 @@ def main() -> int:
     restore()
     if args.tf32_check and dev == "cuda":
         res["tf32_check"] = tf32_check(m)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_json(args.out, res)
     log(f"wrote {args.out}")
     return 0
 

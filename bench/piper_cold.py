@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOWS = (8, 16, 32, 64)
@@ -86,8 +86,7 @@ def main() -> int:
               + "".join(f"{m[str(n)]:>14.1f}" for n in WINDOWS))
     res = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": args.threads, "text": TEXT,
            "windows": list(WINDOWS), "median_ms": med, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_json(args.out, res)
     print(f"wrote {args.out}")
     return 0
 

@@ -32,11 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+from _common import log  # bench/ is on sys.path when a script runs
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def parse_setting(text: str) -> tuple[int | None, int, int | None, int | None, int | tuple | None, int | tuple | None]:

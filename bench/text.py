@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, log  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,10 +46,6 @@ SMALL = dict(
     head_dim=32, vocab_size=8192, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def sync(device: torch.device) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, log, pct, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -52,14 +51,6 @@ def reference_wav() -> dict:
     buf = io.BytesIO()
     sf.write(buf, audio, rate, format="WAV")
     return {"audio": buf.getvalue(), "text": REFERENCE_TEXT}
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 async def one_stream(url: str, text: str, rate: int, start_delay: float = 0.0, reference: dict | None = None) -> dict:
@@ -206,8 +197,7 @@ def main() -> int:
             results["sweep"] = sweep
 
         asyncio.run(run())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_json(args.out, results)
     print()
     print(f"model {results['model']} on {results['devices']}  commit {results['commit']}  {results['date']}")
     print(f"{'prompt':<12}{'TTFA p50 ms':>14}{'TTFA p95 ms':>14}{'RTF p50':>10}{'wall RTF':>10}{'underruns':>11}")

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from _common import log  # bench/ is on sys.path when a script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 
@@ -41,10 +43,6 @@ PROMPTS = {
     "sentences": ("The committee met on Tuesday to discuss the new budget. After a long debate, they "
                   "agreed to fund the library renovation. Work will begin early next spring."),
 }
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class ModelClock:

@@ -13,7 +13,6 @@ audio duration. Prints a table and writes bench/results/vits.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import commit  # bench/ is on sys.path when a script runs
+from _common import commit, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["Hello there, how are you today?",
@@ -88,8 +87,7 @@ def main() -> int:
     res = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": args.threads,
            "torch": torch.__version__, "onnxruntime": ort.__version__, "cpu_count": os.cpu_count(), "rows": rows,
            "vocoder_layouts": layouts, "new_lengths": new_lengths}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_json(args.out, res)
     print(f"{'engine':<16}{'audio s':>8}{'p50 ms':>9}{'p95 ms':>9}{'RTF':>7}  text")
     for r in rows:
         print(f"{r['engine']:<16}{r['audio_s']:>8.2f}{r['p50_ms']:>9.1f}{r['p95_ms']:>9.1f}{r['rtf']:>7.3f}  {r['text'][:40]}")
