@@ -221,6 +221,7 @@ class PiperBackend(TTSBackend):
         first two windows need runs its flow in two parts: the frames those windows read
         (HEAD_FRAMES + 2 x the vocoder's context), published at once, then the rest."""
         voice = self.voice
+        first = HEAD_FRAMES + 2 * self.vocoder.vocoder_context  # the frames the first two windows read
         out = []
         for phonemes in voice.phonemize(text):
             ids = voice.phoneme_ids(phonemes)
@@ -228,7 +229,6 @@ class PiperBackend(TTSBackend):
                 continue
             x = torch.tensor([ids], dtype=torch.long, device=voice.device)
             z_p = voice.prior(x, length_scale=voice.config.length_scale / params.speed, generator=generator)
-            first = HEAD_FRAMES + 2 * self.vocoder.vocoder_context
             if (head and not out and publish is not None and voice.device.type == "cpu"
                     and self.vocoder.device.type == "cpu" and z_p.shape[2] > first + voice.flow_context):
                 with torch.inference_mode():
