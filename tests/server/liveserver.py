@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
@@ -33,6 +34,14 @@ class Live:
     @property
     def state(self):  # noqa: ANN201 - realtime.server.AppState
         return self.app.state.realtime
+
+    async def wait_idle(self, timeout: float = 3.0) -> float:
+        """Seconds until no job is left on the scheduler (ended jobs are reaped between worker steps,
+        so one may outlive its client's last message by a step), or ``timeout``."""
+        t0 = time.monotonic()
+        while self.state.scheduler.active and time.monotonic() - t0 < timeout:
+            await asyncio.sleep(0.005)
+        return time.monotonic() - t0
 
 
 @contextmanager

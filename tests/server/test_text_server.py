@@ -11,7 +11,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -139,6 +138,7 @@ def test_more_requests_than_slots_wait_for_a_slot(live) -> None:  # noqa: ANN001
 
     out = _run(many())
     assert [t for t, _, _ in out] == ["The capital of France"] * n
+    _run(live.wait_idle(2.0))  # the last job is reaped at the worker's next step, maybe after its "done"
     assert live.state.scheduler.active == 0 and live.svc.prefill_lane.pool.available() == live.svc.engine.n_slots
 
 
@@ -209,13 +209,8 @@ def test_cancel_frees_the_slot_and_the_connection_goes_on(live, pipelined) -> No
     sched = live.state.scheduler
     lane = live.svc.decode_lane
 
-    async def idle() -> None:  # no stream left on the scheduler (an earlier test's is reaped lazily)
-        t0 = time.monotonic()
-        while sched.active and time.monotonic() - t0 < 2.0:
-            await asyncio.sleep(0.005)
-
     async def go():  # noqa: ANN202
-        await idle()
+        await live.wait_idle(2.0)  # (an earlier test's job is reaped lazily)
         assert sched.active == 0
         free0 = live.svc.prefill_lane.pool.available()
         async with websockets.connect(url) as ws:
@@ -229,7 +224,7 @@ def test_cancel_frees_the_slot_and_the_connection_goes_on(live, pipelined) -> No
                 pass
             assert msg["type"] == "done" and msg["finish_reason"] == "cancelled", msg
             assert msg["usage"]["completion_tokens"] < 200
-            await idle()
+            await live.wait_idle(2.0)
             # reaped before the next step: at most one step (~tens of ms here) after the cancel
             assert sched.active == 0 and live.svc.prefill_lane.pool.available() == free0
             await ws.send(json.dumps({"type": "cancel"}))  # late cancel: ignored

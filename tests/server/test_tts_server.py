@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import msgpack
@@ -29,13 +28,6 @@ def live(piper_backend):  # noqa: ANN001, ANN201
     app = create_app(ServerConfig(max_frame_bytes=64 * 1024), tts=piper_backend)
     with serve(app) as srv:
         yield srv
-
-
-async def _wait_idle(live, timeout: float = 3.0) -> float:  # noqa: ANN001
-    t0 = time.monotonic()
-    while live.state.scheduler.active and time.monotonic() - t0 < timeout:
-        await asyncio.sleep(0.005)
-    return time.monotonic() - t0
 
 
 async def test_text_in_pieces_while_audio_streams(live) -> None:  # noqa: ANN001
@@ -164,7 +156,7 @@ async def test_bad_input_gets_error_and_close_code(live, frames, code, close) ->
     assert len(errors) == 1 and errors[0]["code"] == code, got
     assert "Traceback" not in errors[0]["message"] and "File " not in errors[0]["message"]
     assert close_code == close
-    assert await _wait_idle(live) < 3.0
+    assert await live.wait_idle() < 3.0
 
 
 async def test_disconnect_mid_stream_frees_the_slot(live) -> None:  # noqa: ANN001
@@ -175,7 +167,7 @@ async def test_disconnect_mid_stream_frees_the_slot(live) -> None:  # noqa: ANN0
     await ws.recv()  # first audio: the job is busy
     assert live.state.scheduler.active == 1
     ws.transport.abort()  # no close handshake: the client just vanishes
-    waited = await _wait_idle(live)
+    waited = await live.wait_idle()
     assert live.state.scheduler.active == 0
     # "within one step": a Piper step is well under a second on this CPU
     assert waited < 2.0, waited
@@ -190,7 +182,7 @@ async def test_cancel_stops_at_once(live) -> None:  # noqa: ANN001
         rest = [c async for c in it]
     assert s.stats is not None and s.stats["cancelled"] is True
     assert len(rest) < 50  # at most what was already in flight
-    assert await _wait_idle(live) < 2.0
+    assert await live.wait_idle() < 2.0
 
 
 async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
