@@ -396,6 +396,9 @@ class DecodeLane(Lane):
         import torch
 
         self._audio = torch.zeros(cfg.max_batch, 30 * RATE)  # host staging, rows written per step
+        # (start, end) monotonic times of the recent steps that decoded audio: how long a final
+        # waited, counted in steps (the tests), not only in seconds of a shared CPU
+        self.history: deque[tuple[float, float]] = deque(maxlen=256)
 
     def is_ready(self, job: Job) -> bool:
         assert isinstance(job, ASRJob)
@@ -467,6 +470,8 @@ class DecodeLane(Lane):
             for i, row_ids in zip(idx, ids, strict=True):
                 texts[i] = w.decode_text(row_ids).strip() if len(rows[i].audio) else ""
         step = time.perf_counter() - t0
+        end = time.monotonic()
+        self.history.append((end - step, end))
         log.debug("decode step: %s in %.3f s", [(r.job.id, r.kind, r.urgent, len(r.audio) // 16) for r in rows], step)
         dt = step / len(rows)
         gap_until = time.monotonic() + self.cfg.partial_gap * step
