@@ -1,6 +1,7 @@
 """Streaming ASR benchmark: final-after-end-of-speech latency and real-time factor per stream.
 
-    python bench/asr.py                                   # tiny.en on the CPU, 1 and 4 streams
+    python bench/asr.py                                   # tiny.en on the CPU, 1 and 4 streams, ours
+                                                          # served default and --asr-exact
     python bench/asr.py --device cuda --dtype float16     # on a GPU (the reference on the same GPU)
     python bench/asr.py --streams 1 4 16 --utterances 6
     python bench/asr.py --save-clips /tmp/clips           # write the default clips as WAVs and exit
@@ -59,6 +60,24 @@ RATE = 16000
 SENTENCES = ["The weather is nice today.", "The train leaves at noon.", "She reads a book every night.",
              "The market opens early in the morning.", "They moved to a new house last year.",
              "Thank you for your patience."]
+
+
+ARCTIC = "He turned sharply, and faced Gregson across the table."
+
+
+def wer(args: argparse.Namespace, texts: list[list[str]]) -> float | None:
+    """Word error rate of every stream's finals against the default clips' texts (None for --clips)."""
+    if args.clips is not None:
+        return None
+    import re
+
+    import jiwer
+
+    def norm(t: str) -> str:
+        return " ".join(re.sub(r"[^\w' ]+", " ", t.lower()).split())
+
+    ref = norm(" ".join([ARCTIC] + SENTENCES[: args.utterances - 1]))
+    return round(float(jiwer.wer([ref] * len(texts), [norm(" ".join(t)) for t in texts])), 4)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -156,14 +175,24 @@ async def one_stream(url: str, utts: list[np.ndarray], gap_s: float, offset_s: f
 
 
 def bench_ours(args: argparse.Namespace, utts: list[np.ndarray]) -> list[dict]:
-    from liveserver import serve
-
-    from realtime.asr_service import ASRService
+    """Our server, once per CPU numerics (the default: bf16 encoder products where the CPU has
+    them; ``--asr-exact``: float32 throughout) unless ``--no-exact``; once on a GPU."""
     from realtime.config import ServerConfig
-    from realtime.server import create_app
 
     cfg = ServerConfig(generator_device=args.device, codec_device=args.device, dtype=args.dtype,
                        asr_model=args.model, max_streams=max(args.streams) + 8)
+    rows = bench_server(args, utts, cfg, "")
+    if args.device == "cpu" and not args.no_exact:
+        rows += bench_server(args, utts, replace(cfg, asr_exact=True), ", --asr-exact")
+    return rows
+
+
+def bench_server(args: argparse.Namespace, utts: list[np.ndarray], cfg, label: str) -> list[dict]:  # noqa: ANN001
+    from liveserver import serve
+
+    from realtime.asr_service import ASRService
+    from realtime.server import create_app
+
     if args.tts_model is None:
         from realtime.tts_piper import PiperBackend
 
@@ -171,13 +200,16 @@ def bench_ours(args: argparse.Namespace, utts: list[np.ndarray]) -> list[dict]:
     else:  # the server loads the CSM folder itself (load_tts); eager, since TTS is idle here
         cfg = replace(cfg, tts_model=args.tts_model, cuda_graphs=False)
         tts = None
-    app = create_app(cfg, tts=tts, services=[ASRService(cfg)])
+    asr = ASRService(cfg)
+    app = create_app(cfg, tts=tts, services=[asr])
     rows = []
     with serve(app) as live:
         args.server_tts = live.state.tts.name
-        log(f"server up (tts={args.server_tts})")
+        native = asr.whisper is not None and asr.whisper.cpu_native
+        label = label or (", bf16 encoder products" if native else "")
+        log(f"server up (tts={args.server_tts}{label})")
         for n in args.streams:
-            log(f"ours: {n} stream(s)")
+            log(f"ours{label}: {n} stream(s)")
 
             async def run() -> list[dict]:
                 # streams start 0.37 s apart so their utterance ends do not all coincide
@@ -188,12 +220,12 @@ def bench_ours(args: argparse.Namespace, utts: list[np.ndarray]) -> list[dict]:
             sp = [x for r in res for x in r["after_speech_ms"]]
             vd = [x for r in res for x in r["after_vad_ms"]]
             rtf = [r["rtf"] for r in res]
-            rows.append({"engine": "realtime (ours, streaming)", "streams": n,
+            rows.append({"engine": f"realtime (ours, streaming{label})", "streams": n,
                          "final_after_speech_ms_p50": pct(sp, 50), "final_after_speech_ms_p95": pct(sp, 95),
                          "final_after_vad_ms_p50": pct(vd, 50), "final_after_vad_ms_p95": pct(vd, 95),
                          "rtf_per_stream_mean": round(float(np.mean(rtf)), 4),
                          "finals": sum(r["finals"] for r in res), "utterances": sum(r["utterances"] for r in res),
-                         "sample_text": res[0]["texts"][:2]})
+                         "texts": res[0]["texts"], "wer": wer(args, [r["texts"] for r in res])})
     return rows
 
 
@@ -286,10 +318,11 @@ def bench_reference(args: argparse.Namespace, utts: list[np.ndarray]) -> list[di
 
     path = args.model or str(default_model_dir())
     dev = args.reference_device or ("cuda" + args.device[4:] if args.device.startswith("cuda") else "cpu")
-    ctype = args.dtype if dev.startswith("cuda") else "float32"
+    # On a CPU also CTranslate2's int8 (faster-whisper's usual CPU setting), beside float32.
+    ctypes = [args.dtype] if dev.startswith("cuda") else ["float32", "int8"]
     rows = []
-    for n in args.streams:
-        log(f"{args.reference} on {dev}: {n} stream(s)")
+    for ctype, n in ((c, n) for c in ctypes for n in args.streams):
+        log(f"{args.reference} {ctype} on {dev}: {n} stream(s)")
         transcribe = reference_transcriber(args.reference, path, dev, ctype, n, args.reference_threads)
         transcribe(utts[0])  # warm-up
         lat: list[list[float]] = [[] for _ in range(n)]
@@ -311,11 +344,11 @@ def bench_reference(args: argparse.Namespace, utts: list[np.ndarray]) -> list[di
             t.join()
         audio_s = sum(len(u) for u in utts) / RATE
         flat = [x for xs in lat for x in xs]
-        rows.append({"engine": f"{REFERENCE_LABEL[args.reference]} on {dev}", "streams": n,
+        rows.append({"engine": f"{REFERENCE_LABEL[args.reference]} {ctype} on {dev}", "streams": n,
                      "final_after_speech_ms_p50": None, "final_after_speech_ms_p95": None,
                      "final_after_vad_ms_p50": pct(flat, 50), "final_after_vad_ms_p95": pct(flat, 95),
                      "rtf_per_stream_mean": round(float(np.mean(busy)) / audio_s, 4),
-                     "finals": len(flat), "utterances": len(flat), "texts": texts[0]})
+                     "finals": len(flat), "utterances": len(flat), "texts": texts[0], "wer": wer(args, texts)})
     return rows
 
 
@@ -348,6 +381,8 @@ def main() -> int:
                     help="where the reference runs (default: --device). CTranslate2's wheel needs CUDA 12's "
                          "cuBLAS: on a CUDA-13-only machine run it on the host's cpu")
     ap.add_argument("--reference-threads", type=int, default=2, help="CPU threads per reference stream")
+    ap.add_argument("--no-exact", action="store_true",
+                    help="on a CPU, skip the second run of ours in float32 (--asr-exact)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "asr.json"))
     args = ap.parse_args()
     t0 = time.time()
@@ -358,14 +393,15 @@ def main() -> int:
     args.reference = pick_reference(args.reference)
     rows = bench_ours(args, utts) + bench_reference(args, utts)
     hdr = (f"{'engine':62s} {'streams':>7s} {'speech->final p50/p95 ms':>26s} {'VAD end->final p50/p95 ms':>27s}"
-           f" {'rtf/stream':>10s}")
+           f" {'rtf/stream':>10s} {'WER':>6s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         sp = (f"{r['final_after_speech_ms_p50']}/{r['final_after_speech_ms_p95']}"
               if r["final_after_speech_ms_p50"] else "-")
         vd = f"{r['final_after_vad_ms_p50']}/{r['final_after_vad_ms_p95']}"
-        print(f"{r['engine']:62s} {r['streams']:>7d} {sp:>26s} {vd:>27s} {r['rtf_per_stream_mean']:>10.4f}")
+        w = "-" if r["wer"] is None else f"{r['wer']:.3f}"
+        print(f"{r['engine']:62s} {r['streams']:>7d} {sp:>26s} {vd:>27s} {r['rtf_per_stream_mean']:>10.4f} {w:>6s}")
     import torch
 
     out = {"rows": rows, "device": args.device, "dtype": args.dtype, "model": args.model or "tiny.en (embedded)",

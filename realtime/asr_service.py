@@ -532,7 +532,10 @@ class ASRService(Service):
 
         dtype = getattr(torch, self.config.dtype)
         self.whisper = Whisper.from_pretrained(self.config.asr_model, device=self.config.generator_device,
-                                               dtype=dtype)
+                                               dtype=dtype, cpu_native=not self.config.asr_exact)
+        native = " (encoder and vocabulary products in bfloat16; --asr-exact: float32)"
+        log.info("Whisper %s on %s%s", self.whisper.name, self.config.generator_device,
+                 native if self.whisper.cpu_native else "")
         c = self.cfg
         self.vad = SileroVad(config=VadConfig(threshold=c.vad_threshold, min_silence_ms=c.min_silence_ms,
                                               speech_pad_ms=30), device=self.config.generator_device)
@@ -750,6 +753,8 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--language", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--device", default="cpu", help="with --local: cpu, cuda:0")
+    p.add_argument("--exact", action="store_true", help="with --local on a CPU: float32 throughout (else bf16 "
+                   "encoder products where the CPU has them)")
     p.set_defaults(fn=_transcribe_cli)
 
 
@@ -764,7 +769,7 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
     if args.local:
         from realtime.engines.whisper import Whisper
 
-        w = Whisper.from_pretrained(args.model, device=args.device)
+        w = Whisper.from_pretrained(args.model, device=args.device, cpu_native=not args.exact)
         print(w.transcribe(audio, language=args.language))
         return 0
     try:

@@ -33,6 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, tts_model=args.tts_model, warmup=not args.no_warmup,
         tts_slots=args.tts_slots, cuda_graphs=not args.eager,
         text_slots=args.text_slots, text_context=args.text_context, text_exact=args.text_exact,
+        asr_exact=args.asr_exact,
         text_prefix_reuse=not args.no_prefix_reuse,
         asr_model=args.asr_model, text_model=args.text_model, image_model=args.image_model,
         video_model=args.video_model,
@@ -109,7 +110,8 @@ def _say(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``realtime`` command line: serve, say, and the subcommands of the installed services."""
     parser = argparse.ArgumentParser(prog="realtime", description="Real-time streaming speech service")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -130,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--text-exact", action="store_true",
                    help="CPU text: dequantize every weight to float32 (transformers' numbers, ~2.6x slower than the "
                         "default, which runs a GGUF's own Q4_0/Q4_1 codes and bfloat16 products)")
+    s.add_argument("--asr-exact", action="store_true",
+                   help="CPU ASR: Whisper in float32 throughout (the reference's numbers, ~2x slower than the "
+                        "default, which runs the encoder and the vocabulary projection on bfloat16 products "
+                        "where the CPU has them: AVX512-BF16 or AMX)")
     s.add_argument("--no-prefix-reuse", action="store_true",
                    help="CPU text: never reuse the K/V of a prompt prefix that another request left in a slot "
                         "(on by default: the replies are the same either way, but a shared prefix answers sooner)")
@@ -159,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in CLI_MODULES:
         if _have(name):
             importlib.import_module(name).add_cli(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(args.fn(args))

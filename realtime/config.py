@@ -29,6 +29,7 @@ class ServerConfig:
     text_slots: int | None = None  # text decode: concurrent requests with a KV-cache slot (default per device)
     text_context: int | None = None  # text decode: tokens per slot
     text_exact: bool = False  # CPU text: every weight dequantized to float32 (else the GGUF's own 4-bit codes)
+    asr_exact: bool = False  # CPU ASR: float32 throughout (else bf16 encoder products where the CPU has them)
     # CPU text: a new prompt reuses the K/V of a prefix another request left in a free slot (the
     # system prompt, a conversation's history; exact). Off for deployments whose users must not
     # share anything, timing included: a reused prefix answers sooner.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import jiwer
 import numpy as np
 import pytest
 import soundfile as sf
@@ -243,6 +244,38 @@ def test_tiny_en_batched_streams_equal_single(tiny):
     singles = [tiny.decode_greedy(tiny.encode(mel[i : i + 1]))[0] for i in range(2)]
     assert ids == singles
     assert _norm(tiny.decode_text(ids[0])) == _norm(ARCTIC_TEXT)
+
+
+def test_tiny_en_cpu_native_transcribes_like_float32(tiny):
+    """The served CPU default (``cpu_native``: bf16 encoder, cross-K/V and vocabulary products on a
+    CPU that multiplies bf16 natively) gives float32's tokens on clean speech (whole, quieter, cut),
+    batched; on noisy speech, where greedy choices are close, a transcript as good. On a CPU without
+    bf16 products it stays float32."""
+    from realtime.engines.whisper import cpu_has_bf16
+
+    native = Whisper.from_pretrained(cpu_native=True)
+    assert native.cpu_native == cpu_has_bf16()
+    assert not Whisper.from_pretrained(cpu_native=True, dtype=torch.float64).cpu_native  # float32 only
+    if not native.cpu_native:
+        assert native.transcribe(_arctic()) == tiny.transcribe(_arctic())
+        return
+    a = _arctic()
+    noise = np.random.default_rng(0).standard_normal(len(a)).astype(np.float32)
+    clips = [a, 0.3 * a, a + noise * np.sqrt((a**2).mean() / 10), a[: len(a) // 2]]  # 10 dB SNR
+    x = torch.zeros(len(clips), len(a))
+    for i, c in enumerate(clips):
+        x[i, : len(c)] = torch.from_numpy(c)
+    mel = tiny.log_mel(x)
+    enc32, enc16 = tiny.encode(mel), native.encode(mel)
+    assert enc16.dtype == torch.float32 and enc16.shape == enc32.shape
+    rel = ((enc16 - enc32).flatten(1).norm(dim=1) / enc32.flatten(1).norm(dim=1)).max().item()
+    assert 1e-4 < rel < 0.03, rel  # bf16 products (not float32's numbers), close to them (~1 %)
+    ids32, ids16 = tiny.decode_greedy(enc32), native.decode_greedy(enc16)
+    assert [ids16[i] for i in (0, 1, 3)] == [ids32[i] for i in (0, 1, 3)]
+    assert _norm(native.decode_text(ids16[0])) == _norm(ARCTIC_TEXT)
+    ref = _norm(ARCTIC_TEXT)
+    wer32, wer16 = (jiwer.wer(ref, _norm(w.decode_text(ids[2]))) for w, ids in ((tiny, ids32), (native, ids16)))
+    assert wer16 <= wer32 + 0.2, (wer16, wer32)  # within two of the nine words
 
 
 # --------------------------------------------------------------------------------------------

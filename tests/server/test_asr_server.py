@@ -20,6 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 import websockets
 from liveserver import serve
 
@@ -237,6 +238,19 @@ def test_finals_go_before_partials(live, arctic) -> None:  # noqa: ANN001
         assert not j.output.items and j.utts[0].policy.last_decode_ms == 0
         assert j.partial_due_at == now - 0.9 * cfg.final_boost_s
     assert ended.next_partial_at == pytest.approx(t1 + cfg.partial_gap * (t1 - t0), abs=0.05)
+
+
+def test_served_numerics_and_asr_exact(live) -> None:  # noqa: ANN001
+    """The server runs Whisper with bf16 encoder products where the CPU has them (these tests'
+    transcripts come from that path); ``asr_exact`` (``--asr-exact``) keeps float32."""
+    from realtime.cli import build_parser
+    from realtime.engines.whisper import cpu_has_bf16
+
+    assert live.state.services["asr"].whisper.cpu_native == cpu_has_bf16()
+    exact = ASRService(ServerConfig(asr_exact=True))
+    exact.load()
+    assert not exact.whisper.cpu_native and exact.whisper.dtype == torch.float32
+    assert build_parser().parse_args(["serve", "--asr-exact"]).asr_exact
 
 
 async def test_piper_round_trip_wer(live, piper_backend, spoken) -> None:  # noqa: ANN001
