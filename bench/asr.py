@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import log, write_json  # bench/ is on sys.path when a script runs
+from _common import commit, log, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -352,6 +352,35 @@ def bench_reference(args: argparse.Namespace, utts: list[np.ndarray]) -> list[di
     return rows
 
 
+def plot(out: dict, path: str) -> None:
+    """Final latency after the VAD end (p50 solid, p95 dashed) against concurrent streams."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    engines = list(dict.fromkeys(r["engine"] for r in out["rows"]))
+    for i, name in enumerate(engines):
+        rows = sorted((r for r in out["rows"] if r["engine"] == name), key=lambda r: r["streams"])
+        n = [r["streams"] for r in rows]
+        color = f"C{i}"
+        ax.plot(n, [r["final_after_vad_ms_p50"] for r in rows], "o-", color=color, label=name)
+        ax.plot(n, [r["final_after_vad_ms_p95"] for r in rows], "--", color=color, alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({r["streams"] for r in out["rows"]}))
+    ax.set_xlabel("concurrent streams (real-time pace)")
+    ax.set_ylabel("VAD end → final, ms (p50 solid, p95 dashed)")
+    ax.set_title(f"streaming ASR, {out['model']} on {out['device']} ({out.get('date', '')}, {out.get('commit', '')})",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    log(f"plot: {path}")
+
+
 def reference_version(kind: str) -> str:
     import ctranslate2
 
@@ -381,10 +410,17 @@ def main() -> int:
                     help="where the reference runs (default: --device). CTranslate2's wheel needs CUDA 12's "
                          "cuBLAS: on a CUDA-13-only machine run it on the host's cpu")
     ap.add_argument("--reference-threads", type=int, default=2, help="CPU threads per reference stream")
+    ap.add_argument("--plot", default=None, help="the PNG (default docs/asr_<device>.png; 'none': no plot)")
+    ap.add_argument("--from-json", type=Path, default=None, help="only plot this results JSON")
     ap.add_argument("--no-exact", action="store_true",
                     help="on a CPU, skip the second run of ours in float32 (--asr-exact)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "asr.json"))
     args = ap.parse_args()
+    if args.from_json is not None:
+        import json
+
+        plot(json.loads(args.from_json.read_text()), args.plot or str(ROOT / "docs" / "asr_cpu.png"))
+        return 0
     t0 = time.time()
     if args.save_clips is not None:
         save_clips(args.save_clips, clips(args.utterances))
@@ -412,11 +448,14 @@ def main() -> int:
            "reference_device": args.reference_device or args.device, "reference_threads": args.reference_threads,
            "reference_version": reference_version(args.reference),
            "machine": platform.platform(), "cpu_threads": torch.get_num_threads(),
+           "date": time.strftime("%Y-%m-%d"), "commit": commit(),
            "wall_s": round(time.time() - t0, 1),
            "note": f"{args.reference} latency is the decode time of a whole utterance after it ends (no VAD "
                    "hangover, no partials); ours is measured on a live WebSocket stream"}
     write_json(args.out, out)
     log(f"wrote {args.out} in {out['wall_s']} s")
+    if args.plot != "none":
+        plot(out, args.plot or str(ROOT / "docs" / f"asr_{args.device.split(':')[0]}.png"))
     return 0
 
 
