@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48, help="the reply's token cap")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_cpu.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "agent_cpu.png"))
+    ap.add_argument("--compare", action="store_true",
+                    help="alternate preemptive replies (the default) with replies started after the final")
     args = ap.parse_args()
     if args.rounds < 1 or args.warmup < 0 or args.max_tokens < 1:
         ap.error("--rounds and --max-tokens take at least 1, --warmup at least 0")
@@ -119,16 +122,24 @@ def main() -> int:
     log("loading the server's models (every default service) and warming up")
     cfg = ServerConfig(enable_asr=True, enable_text=True)  # as `realtime serve` sets them where installed
     app = create_app(cfg)
-    turns: dict[str, list[dict]] = {name: [] for name in says}
+    # With --compare each prompt's turns alternate between the default (a preemptive reply, started
+    # on the ASR's preview when silence begins) and replies started after the final, in one run.
+    modes: dict[str, bool | None] = {"preemptive": True, "after final": False} if args.compare else {"": None}
+    turns: dict[str, list[dict]] = {f"{name}, {m}" if args.compare else name: [] for name in says for m in modes}
     with serve(app) as live:
+        agent = live.state.services["agent"]
         url = f"{live.ws}/v1/realtime"
         for name, (audio, rate, text) in says.items():
-            log(f"prompt '{name}' ({len(audio) / rate:.1f} s of speech): {args.warmup} warm-up + {args.rounds} turns")
+            log(f"prompt '{name}' ({len(audio) / rate:.1f} s of speech): {args.warmup} warm-up + {args.rounds} turns"
+                + (" each way" if args.compare else ""))
             for r in range(args.warmup + args.rounds):
-                t = asyncio.run(one_turn(url, audio, rate, args.max_tokens))
-                if r >= args.warmup:
-                    turns[name].append(t)
-            last = turns[name][-1]
+                for mode, pre in modes.items():
+                    if pre is not None:
+                        agent.agent_cfg = replace(agent.agent_cfg, preemptive=pre)
+                    t = asyncio.run(one_turn(url, audio, rate, args.max_tokens))
+                    if r >= args.warmup:
+                        turns[f"{name}, {mode}" if args.compare else name].append(t)
+            last = turns[f"{name}, {mode}" if args.compare else name][-1]
             log(f"  heard {last['user_transcript']!r}; replied {last['reply'][:70]!r}")
 
     keys = ("turn_latency_ms", *PARTS, "llm_tokens", "llm_tokens_per_s", "underruns", "underrun_ms")
@@ -138,19 +149,23 @@ def main() -> int:
            "prompts": {}}
     for name, ts in turns.items():
         vals = {k: [float(t[k]) for t in ts if t.get(k) is not None] for k in keys}
-        res["prompts"][name] = {"said": says[name][2], "speech_s": len(says[name][0]) / says[name][1],
+        said = says[name.split(",")[0]]
+        res["prompts"][name] = {"said": said[2], "speech_s": len(said[0]) / said[1],
+                                "preemptive_turns": sum(1 for t in ts if t.get("preemptive_ms") is not None),
                                 "median": {k: pct(v, 50) for k, v in vals.items()},
                                 "p95": {k: pct(v, 95) for k, v in vals.items()}, "turns": ts}
 
     print(f"\nvoice agent, embedded models on the CPU  commit {res['commit']}  {res['date']}  "
           f"({args.rounds} turns a prompt after {args.warmup} warm-up; replies of at most {args.max_tokens} tokens)")
-    print(f"{'prompt':<9}{'turn p50':>10}{'turn p95':>10}{'ASR final':>11}{'LLM TTFT':>10}{'TTS TTFA':>10}"
-          f"{'tok/s':>7}{'underruns':>11}")
+    w = max(len(n) for n in res["prompts"]) + 2
+    print(f"{'prompt':<{w}}{'turn p50':>10}{'turn p95':>10}{'ASR final':>11}{'LLM TTFT':>10}{'TTS TTFA':>10}"
+          f"{'tok/s':>7}{'underruns':>11}{'preemptive':>12}")
     for name, r in res["prompts"].items():
         m, p = r["median"], r["p95"]
-        print(f"{name:<9}{m['turn_latency_ms']:>10.0f}{p['turn_latency_ms']:>10.0f}{m['asr_final_ms']:>11.0f}"
+        print(f"{name:<{w}}{m['turn_latency_ms']:>10.0f}{p['turn_latency_ms']:>10.0f}{m['asr_final_ms']:>11.0f}"
               f"{m['llm_ttft_ms']:>10.0f}{m['tts_ttfa_ms']:>10.0f}{m['llm_tokens_per_s']:>7.1f}"
-              f"{sum(t.get('underruns') or 0 for t in r['turns']):>11}")
+              f"{sum(t.get('underruns') or 0 for t in r['turns']):>11}"
+              f"{r['preemptive_turns']:>8}/{len(r['turns'])}")
     print("(ms; turn = end of the user's speech -> first agent audio sent. The end is where the VAD put it (150 ms of\n"
           " padding after the last speech); the VAD says so after 500 ms of silence, so ~350 ms of the ASR column is that wait)")
     write_json(args.out, res)

@@ -156,6 +156,11 @@ class LocalAgreementPolicy:
         return _join(self.committed)
 
     @property
+    def hypothesis_text(self) -> str:
+        """Committed words + the last tail: the final's text if the utterance ended now."""
+        return _join(self.committed + self.previous)
+
+    @property
     def prompt_words(self) -> list[str]:
         """Text already final in this utterance plus the committed words: a decoder prompt."""
         return self.context + [w.text for w in self.committed]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -77,6 +78,10 @@ class AgentConfig:
     interrupt_response: bool = True  # barge-in cancels the reply
     silence_duration_ms: int = 500  # end-of-turn silence; values above the ASR VAD's add a wait
     interim_transcripts: bool = False  # ASR partials as transcript deltas (costs decodes)
+    # Start the reply when silence begins, on the ASR's decode made then (the likely final), and
+    # hold it until the VAD ends the turn with that transcript; dropped unheard if the user goes
+    # on or the final differs. Saves the LLM's first segment + TTS from the turn latency.
+    preemptive: bool = True
     max_history_messages: int = 24
     max_history_chars: int = 6000
 
@@ -215,6 +220,13 @@ def _cut_words(text: str, chars: float) -> str:
     return text[:cut].rstrip() if cut > 0 else ""
 
 
+def _same_words(a: str, b: str) -> bool:
+    def words(t: str) -> list[str]:
+        return [w for w in (re.sub(r"[^\w']+", "", x.lower()) for x in t.split()) if w]
+
+    return words(a) == words(b)
+
+
 @dataclass
 class _Response:
     id: str
@@ -240,6 +252,12 @@ class _Response:
     finished: bool = False
     played_all: bool = False  # the client told us its player reached the end (Twilio mark echo)
     history_msg: dict[str, str] | None = None
+    # preemptive (started before the turn ended): its events wait in ``held`` until committed
+    speculative: bool = False
+    held: list[Any] = field(default_factory=list)
+    finish_deferred: bool = False
+    user_text: str = ""
+    started_at: float = 0.0
 
     def played_ms(self, now: float) -> float:
         if self.played_all:
@@ -287,6 +305,8 @@ class AgentSession:
         self._pending_text: list[str] = []  # finals not yet a turn (client-commit mode)
         self._commit_waiter: asyncio.Future[None] | None = None
         self.response: _Response | None = None  # the one reply in flight
+        self._spec: _Response | None = None  # a preemptive reply, not yet the turn's (unheard)
+        self.spec_stats = {"started": 0, "committed": 0, "dropped": 0}
         self.last_response: _Response | None = None
         self._responses: dict[str, _Response] = {}  # by assistant item id (truncate) and response id
         self._reply_pending = False  # a turn ended while a reply was in flight (no barge-in)
@@ -309,6 +329,7 @@ class AgentSession:
 
         job = self.asr.new_job(ASRParams(sample_rate=ASR_RATE, format="pcm_f32le",
                                          interim=self.cfg.interim_transcripts), live=True, session=self.id)
+        job.preview = True  # final_preview / speech_resumed: preemptive replies
         if self.metrics is not None:
             job.on_final = self.metrics.asr_final.observe
         wake = asyncio.Event()
@@ -319,6 +340,7 @@ class AgentSession:
 
     async def close(self) -> None:
         self.closed = True
+        await self._drop_spec()
         if self.response is not None:
             await self._cancel_response(self.response, "client_gone", notify=False)
         for t in (self._delay_task, self._asr_task):
@@ -414,6 +436,7 @@ class AgentSession:
         if self._asr_task is not None:
             self._asr_task.cancel()
             await asyncio.gather(self._asr_task, return_exceptions=True)
+        await self._drop_spec()
         if self._asr_job is not None and self._asr_job.active:
             self.scheduler.cancel(self._asr_job)
         self._pending_text.clear()
@@ -454,7 +477,11 @@ class AgentSession:
     async def _on_asr(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
         vad = self.cfg.turn_detection
-        if kind == "speech_started":
+        if kind in ("speech_started", "speech_resumed"):
+            await self._drop_spec()  # the user goes on: the previewed turn was not the turn
+        if kind == "final_preview":
+            self._maybe_speculate(str(msg.get("text", "")).strip())
+        elif kind == "speech_started":
             self._speaking = True
             if self._user_item is None:
                 self._user_item = f"item_{uuid.uuid4().hex[:20]}"
@@ -482,16 +509,100 @@ class AgentSession:
             item = self._user_item or f"item_{uuid.uuid4().hex[:20]}"
             self._user_item = None
             if not text:
+                await self._drop_spec()
                 return  # noise the VAD took for speech: no turn
             t_final = time.monotonic()
+            spec = self._spec
             self.history.add("user", text)
             self.emit(UserTurn(item, text, self._speech_end_ms))
+            if spec is not None:
+                if (_same_words(spec.user_text, text) and self.response is None
+                        and self._extra_silence_s(t_final) <= 0 and self.cfg.create_response):
+                    self._commit_spec(spec, t_final)
+                    return
+                await self._drop_spec()
             if self.cfg.create_response:
                 wait = self._extra_silence_s(t_final)
                 if wait > 0:
                     self._delay_task = asyncio.create_task(self._reply_after(wait, t_final))
                 else:
                     await self._turn_reply(t_final)
+
+    # ---- preemptive replies ----
+    def _maybe_speculate(self, text: str) -> None:
+        """The ASR's hypothesis when silence began: start the reply to it now, unheard."""
+        cfg = self.cfg
+        if not (cfg.preemptive and cfg.turn_detection and cfg.create_response) or not text:
+            return
+        if self.response is not None or self._reply_pending or self.closed:
+            return
+        asr_sil = getattr(self.asr.cfg, "min_silence_ms", 500)
+        if cfg.silence_duration_ms > asr_sil:
+            return  # the turn ends later than the VAD says: a preemptive reply would wait anyway
+        if self._spec is not None:
+            if _same_words(self._spec.user_text, text):
+                return
+            self._spec_drop_now()
+        r = _Response(id=f"resp_{uuid.uuid4().hex[:20]}", item_id=f"item_{uuid.uuid4().hex[:20]}",
+                      t_turn_end=None, t_final=None, max_tokens=cfg.max_tokens,
+                      extra=({"role": "user", "content": text},), speculative=True, user_text=text,
+                      started_at=time.monotonic())
+        self._spec = r
+        self.spec_stats["started"] += 1
+        r.task = asyncio.create_task(self._run_response(r), name=f"agent-preemptive-{r.id}")
+
+    def _commit_spec(self, r: _Response, t_final: float) -> None:
+        """The turn ended as previewed: the preemptive reply becomes the reply; what it has made so
+        far goes out now, in order (audio as if it all arrived now)."""
+        self._spec = None
+        self.spec_stats["committed"] += 1
+        r.speculative = False
+        r.extra = ()  # the user message is in the history now (the prompt had it as extra)
+        r.t_turn_end, r.t_final = self._speech_end_t, t_final
+        self.response = r
+        self._responses[r.id] = r
+        self._responses[r.item_id] = r
+        while len(self._responses) > 64:
+            self._responses.pop(next(iter(self._responses)))
+        held, r.held = r.held, []
+        for ev in held:
+            self._out(r, ev)
+        if r.finish_deferred:
+            self._finish(r, time.monotonic())
+
+    def _spec_drop_now(self) -> _Response | None:
+        """Forget the preemptive reply and cancel its jobs (nothing of it was sent); the task is
+        returned for the caller to await."""
+        r, self._spec = self._spec, None
+        if r is None:
+            return None
+        self.spec_stats["dropped"] += 1
+        r.status, r.reason, r.finished = "cancelled", "preempted", True
+        if r.text_job is not None and r.text_job.active:
+            self.text.cancel(r.text_job)
+        if r.tts_job is not None and r.tts_job.active:
+            self.scheduler.cancel(r.tts_job)
+        if r.task is not None and not r.task.done():
+            r.task.cancel()
+        return r
+
+    async def _drop_spec(self) -> None:
+        r = self._spec_drop_now()
+        if r is not None and r.task is not None and r.task is not asyncio.current_task():
+            await asyncio.gather(r.task, return_exceptions=True)
+
+    def _out(self, r: _Response, ev: AgentEvent) -> None:
+        """A reply's event: held while the reply is preemptive, else sent (audio starts the
+        simulated player's clock when it is sent)."""
+        if r.speculative:
+            r.held.append(ev)
+            return
+        if isinstance(ev, ResponseAudio):
+            now = time.monotonic()
+            if r.first_audio_at is None:
+                r.first_audio_at = now
+            r.tracker.on_chunk(now, ev.duration_ms / 1000.0)
+        self.emit(ev)
 
     def _extra_silence_s(self, now: float) -> float:
         """silence_duration_ms above the ASR VAD's own silence: wait the rest before replying."""
@@ -613,7 +724,7 @@ class AgentSession:
         from realtime.tts import END, SPURT_END, AudioChunk
 
         cfg = self.cfg
-        self.emit(ResponseStarted(r.id, r.item_id, cfg.voice or ""))
+        self._out(r, ResponseStarted(r.id, r.item_id, cfg.voice or ""))
         audio_task: asyncio.Task[None] | None = None
         try:
             msgs = self.history.messages(r.instructions or cfg.instructions, r.extra)
@@ -637,12 +748,8 @@ class AgentSession:
                         if item is SPURT_END:
                             continue  # the LLM is slower than speech here: a pause, not an underrun
                         assert isinstance(item, AudioChunk)
-                        now = time.monotonic()
-                        if r.first_audio_at is None:
-                            r.first_audio_at = now
-                        r.tracker.on_chunk(now, item.duration_ms / 1000.0)
                         r.audio_ms += item.duration_ms
-                        self.emit(ResponseAudio(r.id, r.item_id, item.data, item.start_ms, item.duration_ms))
+                        self._out(r, ResponseAudio(r.id, r.item_id, item.data, item.start_ms, item.duration_ms))
                     if tts_job.state is JobState.FAILED:
                         err = tts_job.error
                         raise err if isinstance(err, RealtimeError) else InternalError("speech generation failed")
@@ -658,7 +765,7 @@ class AgentSession:
                     r.pushed_chars += len(ev.text)
                     tts_job.push_text(ev.text)
                     self.scheduler.wake()
-                    self.emit(ResponseText(r.id, r.item_id, ev.text))
+                    self._out(r, ResponseText(r.id, r.item_id, ev.text))
                 elif isinstance(ev, TextDone):
                     r.done_ev = ev
             if not r.text.strip():
@@ -676,11 +783,11 @@ class AgentSession:
                 r.status, r.reason = "cancelled", "client_gone"
         except RealtimeError as exc:
             r.status, r.reason = "failed", exc.code
-            self.emit(AgentError(exc))
+            self._out(r, AgentError(exc))
         except Exception:
             log.exception("agent %s: reply %s crashed", self.id, r.id)
             r.status, r.reason = "failed", "internal"
-            self.emit(AgentError(InternalError("internal error")))
+            self._out(r, AgentError(InternalError("internal error")))
         finally:
             if audio_task is not None and not audio_task.done():
                 audio_task.cancel()
@@ -693,6 +800,9 @@ class AgentSession:
 
     def _finish(self, r: _Response, now: float) -> None:
         if r.finished:
+            return
+        if r.speculative:  # done before the turn ended: finishes when committed
+            r.finish_deferred = True
             return
         r.finished = True
         if self.response is r:
@@ -731,6 +841,9 @@ class AgentSession:
             "underruns": st["underruns"],
             "underrun_ms": st["underrun_ms"],
             "interrupted": interrupted,
+            # started on the ASR's preview when silence began, this long before the final
+            "preemptive_ms": (round((r.t_final - r.started_at) * 1000.0, 1)
+                              if r.user_text and r.t_final is not None else None),
         }
         self.turns.append(metrics)
         if self.metrics is not None:

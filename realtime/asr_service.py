@@ -143,6 +143,11 @@ class ASRJob(Job):
         self.latencies: list[float] = []  # end of speech -> final, seconds
         self.compute_s = 0.0
         self.on_final: Callable[[float], None] | None = None
+        # In-process consumers (the voice agent) may ask for a preview of the likely final: the
+        # hypothesis of the decode made when silence began ({"type": "final_preview"}), then
+        # {"type": "speech_resumed"} if the speaker goes on before the VAD ends the utterance.
+        self.preview = False
+        self.preview_sent = False
 
     def notify(self) -> None:
         self.output.close()
@@ -343,6 +348,10 @@ class VadLane(Lane):
                 evs = evs + self.vad.flush(job.vad_state)
             for ev in evs:
                 self._event(job, ev)
+            st = job.vad_state
+            if job.preview_sent and st.triggered and not st.temp_end:
+                job.preview_sent = False  # speech again: the previewed hypothesis is not the final
+                job.output.put({"type": "speech_resumed"})
             with job.lock:
                 job.trim()
                 job.update_partial_due()
@@ -366,6 +375,7 @@ class VadLane(Lane):
                 u = job.open_utt()
                 if u is None:
                     return
+                job.preview_sent = False
                 end = min(job.buf_end, max(ev.sample + pad, u.start + 1))
                 u.end = end
                 u.ended_at = job.arrival_of(min(end, job.samples_in))
@@ -381,6 +391,7 @@ class _Row:
     t: int  # end sample of the decoded audio
     audio: np.ndarray = field(repr=False)
     urgent: bool = True  # finals (and decodes at the onset of silence); plain partials are not
+    early: bool = False  # the decode at the onset of silence of an open utterance
 
 
 class DecodeLane(Lane):
@@ -438,7 +449,8 @@ class DecodeLane(Lane):
                     elif k == 0:
                         t = min(u.end if u.end is not None else job.buf_end, s + seg)
                         rows.append(_Row(job, u, "partial", t, job.audio(s, t).copy(),
-                                         urgent=u.end is not None or job.early))
+                                         urgent=u.end is not None or job.early,
+                                         early=u.end is None and job.early))
                         break
                     else:
                         break
@@ -498,6 +510,10 @@ class DecodeLane(Lane):
             events = u.policy.on_hypothesis(words, t_ms)
         for ev in events:
             job.emit(ev, u, r.kind != "partial")
+        if r.early and job.preview and u.policy.active:
+            # what the final will say if the VAD now ends the utterance (a "reuse" final)
+            job.preview_sent = True
+            job.output.put({"type": "final_preview", "text": u.policy.hypothesis_text, "end_ms": t_ms})
         with job.lock:
             if r.kind != "partial":
                 assert u in job.utts

@@ -464,3 +464,112 @@ def test_agent_cli_writes_a_spoken_reply(live, tmp_path) -> None:  # noqa: ANN00
     assert float(count.split()[-1]) >= 1
     kinds = {m["kind"] for m in httpx.get(f"{live.http}/v1/models").json()["data"]}
     assert {"tts", "asr", "text", "agent"} <= kinds
+
+
+# ---- preemptive replies: the session driven with the ASR's own messages, in order ----------------
+
+QUESTION = "What is the capital of France?"
+
+
+async def _until(cond, timeout: float = 60.0) -> None:  # noqa: ANN001
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _events_until_finished(s) -> list:  # noqa: ANN001
+    from realtime.agent import ResponseFinished
+
+    out: list = []
+    while not any(isinstance(e, ResponseFinished) for e in out):
+        out += await asyncio.wait_for(s.next_events(), 60)
+    return out
+
+
+def _queued(s) -> list:  # noqa: ANN001
+    out = []
+    while not s._events.empty():
+        out.append(s._events.get_nowait())
+    return out
+
+
+async def _turn(live, preemptive: bool) -> tuple[list, object]:  # noqa: ANN001
+    """speech_started, [the preview when silence began,] speech_stopped, final: as the ASR sends them."""
+    from realtime.agent import ResponseAudio
+
+    s = live.agent.new_session(live.state, AgentConfig(max_tokens=REPLY_TOKENS, temperature=0.0, seed=0,
+                                                       preemptive=preemptive))
+    await s.start()
+    try:
+        await s._on_asr({"type": "speech_started", "at_ms": 300})
+        await s._on_asr({"type": "final_preview", "text": QUESTION, "end_ms": 2000})
+        spec = s._spec
+        seen = []
+        if preemptive:
+            assert spec is not None and spec.speculative
+            # it runs unheard: its audio waits, nothing of it reaches the client
+            await _until(lambda: any(isinstance(e, ResponseAudio) for e in spec.held))
+            seen = _queued(s)
+            assert [type(e).__name__ for e in seen] == ["UserSpeechStarted"]
+        else:
+            assert spec is None
+        await s._on_asr({"type": "speech_stopped", "at_ms": 2150})
+        await s._on_asr({"type": "final", "text": QUESTION, "start_ms": 300, "end_ms": 2150})
+        events = seen + _queued(s) + await _events_until_finished(s)
+        return events, s
+    finally:
+        await s.close()
+        live.agent.end_session(s)
+
+
+async def test_preemptive_reply_is_held_then_sent_as_the_turns_reply(live) -> None:  # noqa: ANN001
+    from realtime.agent import ResponseAudio, ResponseFinished, ResponseText
+
+    events, s = await _turn(live, preemptive=True)
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[:4] == ["UserSpeechStarted", "UserSpeechStopped", "UserTurn", "ResponseStarted"], kinds
+    assert kinds[-1] == "ResponseFinished" and kinds.count("ResponseStarted") == 1
+    fin = events[-1]
+    assert isinstance(fin, ResponseFinished) and fin.status == "completed"
+    assert fin.metrics["preemptive_ms"] > 0 and fin.metrics["turn_latency_ms"] is not None
+    assert s.spec_stats == {"started": 1, "committed": 1, "dropped": 0}
+    text = "".join(e.delta for e in events if isinstance(e, ResponseText))
+    assert text.strip() == fin.transcript and sum(e.duration_ms for e in events if isinstance(e, ResponseAudio)) > 0
+    assert [m["role"] for m in s.history.items] == ["user", "assistant"]
+    assert s.history.items[0]["content"] == QUESTION and s.history.items[1]["content"] == fin.spoken_transcript
+    # the same prompt as a reply started after the final: greedy, so the same words
+    events2, _ = await _turn(live, preemptive=False)
+    fin2 = events2[-1]
+    assert fin2.metrics["preemptive_ms"] is None and fin2.transcript == fin.transcript
+
+
+async def test_preemptive_reply_is_dropped_unheard_when_the_user_goes_on(live) -> None:  # noqa: ANN001
+    from realtime.agent import ResponseFinished, ResponseStarted
+
+    s = live.agent.new_session(live.state, AgentConfig(max_tokens=REPLY_TOKENS, temperature=0.0, seed=0))
+    await s.start()
+    try:
+        await s._on_asr({"type": "speech_started", "at_ms": 300})
+        await s._on_asr({"type": "final_preview", "text": "What is the", "end_ms": 900})
+        first = s._spec
+        await _until(lambda: first.text_job is not None and first.tts_job is not None)
+        await s._on_asr({"type": "speech_resumed"})  # a pause, not the end of the turn
+        assert s._spec is None and not first.text_job.active and not first.tts_job.active
+        await s._on_asr({"type": "final_preview", "text": "What is the capital of", "end_ms": 1800})
+        second = s._spec
+        assert second is not None and second is not first
+        await s._on_asr({"type": "speech_stopped", "at_ms": 2150})
+        await s._on_asr({"type": "final", "text": QUESTION, "start_ms": 300, "end_ms": 2150})  # not the preview
+        assert second.task.done() and (second.text_job is None or not second.text_job.active)
+        events = _queued(s) + await _events_until_finished(s)
+        kinds = [type(e).__name__ for e in events]
+        assert kinds[:4] == ["UserSpeechStarted", "UserSpeechStopped", "UserTurn", "ResponseStarted"], kinds
+        assert sum(isinstance(e, ResponseStarted) for e in events) == 1
+        fin = next(e for e in events if isinstance(e, ResponseFinished))
+        assert fin.metrics["preemptive_ms"] is None and fin.status == "completed"
+        assert s.spec_stats == {"started": 2, "committed": 0, "dropped": 2}
+        assert [m["content"] for m in s.history.items] == [QUESTION, fin.spoken_transcript]
+    finally:
+        await s.close()
+        live.agent.end_session(s)

@@ -240,6 +240,42 @@ def test_finals_go_before_partials(live, arctic) -> None:  # noqa: ANN001
     assert ended.next_partial_at == pytest.approx(t1 + cfg.partial_gap * (t1 - t0), abs=0.05)
 
 
+def test_final_preview_when_silence_begins_and_speech_resumed(live, arctic) -> None:  # noqa: ANN001
+    """For the voice agent's preemptive replies: with ``preview`` on, the decode made when silence
+    begins is sent as a ``final_preview``; ``speech_resumed`` says it was a pause, and the final that
+    follows the last preview says what that preview said. Stepped as the scheduler would, 20 ms of
+    audio at a time, on lanes of our own (no clock race with the server)."""
+    svc = live.state.services["asr"]
+    vad_lane, lane = VadLane(svc.vad, svc.cfg), DecodeLane(svc.whisper, svc.cfg)
+    job = svc.new_job(ASRParams(interim=False))
+    job.preview = True
+    for ln in (vad_lane, lane):
+        ln.add(job)
+    z = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
+    core = arctic[int(0.15 * 16000):int(2.95 * 16000)]  # the clip's speech (0.2-2.88 s), little silence
+    audio = np.concatenate([z(0.3), core, z(0.25), core, z(1.2)])  # a pause under the VAD's 0.5 s
+    msgs: list[dict] = []
+    for i in range(0, len(audio), 320):
+        job.push_audio(audio[i:i + 320])
+        while (choice := pick([vad_lane, lane], time.monotonic())) is not None:
+            choice.lane.run(choice.jobs)
+        msgs += list(job.output.items)
+        job.output.items.clear()
+    kinds = [m["type"] for m in msgs]
+    assert kinds.count("speech_started") == 1 and kinds.count("final") == 1, kinds
+    assert "partial" not in kinds  # interim off: the previews are no partials
+    assert "speech_resumed" in kinds and kinds.index("final_preview") < kinds.index("speech_resumed")
+    last = max(i for i, k in enumerate(kinds) if k == "final_preview")
+    assert kinds.index("speech_resumed", kinds.index("final_preview")) < last < kinds.index("final")
+    assert "speech_resumed" not in kinds[last:]
+    final = msgs[kinds.index("final")]
+    assert msgs[last]["text"] == final["text"] and norm(final["text"]).count("turned sharply and faced") == 2
+    # previews come only where silence began: the first pause's covers the first sentence or less
+    first = msgs[kinds.index("final_preview")]
+    assert len(norm(first["text"]).split()) <= len(norm(ARCTIC).split()) + 1
+    print(f"previews: {[(m['end_ms'], m['text']) for m in msgs if m['type'] == 'final_preview']}")
+
+
 def test_served_numerics_and_asr_exact(live) -> None:  # noqa: ANN001
     """The server runs Whisper with bf16 encoder products where the CPU has them (these tests'
     transcripts come from that path); ``asr_exact`` (``--asr-exact``) keeps float32."""
