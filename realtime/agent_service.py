@@ -48,6 +48,7 @@ class AgentService(Service):
         self.agent_cfg = agent or AgentConfig()
         self.sessions: dict[str, AgentSession] = {}  # live conversations (inspection, tests, metrics)
         self.finished_turns = 0
+        self.preemptive_done = {"started": 0, "committed": 0, "dropped": 0}  # of ended sessions
         self._gauge = False
         from realtime.metrics import Histogram
 
@@ -76,6 +77,10 @@ class AgentService(Service):
                                            lambda: {"": len(self.sessions)}))
             # Rendered like a gauge (Metrics.render only calls .render()); a Metrics field would be tidier.
             st.metrics.gauges.append(self.turn_latency)  # type: ignore[arg-type]
+            st.metrics.gauges.append(Gauge("realtime_agent_preemptive_replies",
+                                           "Replies started when silence began: started, committed (the "
+                                           "turn's reply), dropped (the caller went on); since start",
+                                           self.preemptive_counts))
             self._gauge = True
         return asr, text
 
@@ -91,8 +96,17 @@ class AgentService(Service):
         if m.get("turn_latency_ms") is not None:
             self.turn_latency.observe(m["turn_latency_ms"] / 1000.0)
 
+    def preemptive_counts(self) -> dict[str, float]:
+        totals = dict(self.preemptive_done)
+        for s in list(self.sessions.values()):
+            for k, v in s.spec_stats.items():
+                totals[k] += v
+        return {f'{{outcome="{k}"}}': v for k, v in totals.items()}
+
     def end_session(self, s: AgentSession) -> None:
-        self.sessions.pop(s.id, None)
+        if self.sessions.pop(s.id, None) is not None:
+            for k, v in s.spec_stats.items():
+                self.preemptive_done[k] += v
         self.finished_turns += len(s.turns)
 
     def routes(self, state: Callable[[], "AppState"]) -> list:

@@ -526,7 +526,14 @@ async def _turn(live, preemptive: bool) -> tuple[list, object]:  # noqa: ANN001
 async def test_preemptive_reply_is_held_then_sent_as_the_turns_reply(live) -> None:  # noqa: ANN001
     from realtime.agent import ResponseAudio, ResponseFinished, ResponseText
 
+    def committed() -> float:
+        lines = live.state.metrics.render().splitlines()
+        return float(next(x for x in lines if x.startswith('realtime_agent_preemptive_replies{outcome="committed"}'))
+                     .split()[-1])
+
+    before = committed() if live.agent._gauge else 0.0
     events, s = await _turn(live, preemptive=True)
+    assert committed() == before + 1  # /metrics
     kinds = [type(e).__name__ for e in events]
     assert kinds[:4] == ["UserSpeechStarted", "UserSpeechStopped", "UserTurn", "ResponseStarted"], kinds
     assert kinds[-1] == "ResponseFinished" and kinds.count("ResponseStarted") == 1
