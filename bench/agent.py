@@ -73,18 +73,27 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(res["prompts"])
-    fig, ax = plt.subplots(figsize=(8, 2.0 + 0.7 * len(names)))
+    fig, ax = plt.subplots(figsize=(9, 2.8 + 0.6 * len(names)))
     labels = {"asr_final_ms": "end of speech → ASR final (mostly the VAD's silence wait)", "llm_ttft_ms": "LLM first token",
               "tts_ttfa_ms": "first segment → first audio",
               "other_ms": "the rest: the LLM writing the first segment (a clause or sentence), hand-overs"}
-    colors = {"asr_final_ms": "#4c72b0", "llm_ttft_ms": "#dd8452", "tts_ttfa_ms": "#55a868", "other_ms": "#bbbbbb"}
+    labels["held_ms"] = ("preemptive: final → the held reply sent (its LLM and TTS ran before the final, "
+                         "from the ASR's preview)")
+    colors = {"asr_final_ms": "#4c72b0", "llm_ttft_ms": "#dd8452", "tts_ttfa_ms": "#55a868", "other_ms": "#bbbbbb",
+              "held_ms": "#8172b3"}
+    labelled: set[str] = set()
     for i, name in enumerate(names):
         med = res["prompts"][name]["median"]
         left = 0.0
-        parts = {k: med[k] for k in PARTS}
-        parts["other_ms"] = max(0.0, med["turn_latency_ms"] - sum(parts.values()))
+        if res["prompts"][name].get("preemptive_turns"):  # the parts overlap: only final -> audio sent
+            parts = {"asr_final_ms": med["asr_final_ms"],
+                     "held_ms": max(0.0, med["turn_latency_ms"] - med["asr_final_ms"])}
+        else:
+            parts = {k: med[k] for k in PARTS}
+            parts["other_ms"] = max(0.0, med["turn_latency_ms"] - sum(parts.values()))
         for k, v in parts.items():
-            ax.barh(i, v, left=left, color=colors[k], label=labels[k] if i == 0 else None)
+            ax.barh(i, v, left=left, color=colors[k], label=None if k in labelled else labels[k])
+            labelled.add(k)
             left += v
         ax.text(left + 10, i, f"{med['turn_latency_ms']:.0f} ms", va="center", fontsize=9)
     ax.set_xlim(0, max(r["median"]["turn_latency_ms"] for r in res["prompts"].values()) * 1.15)
@@ -92,7 +101,7 @@ def plot(res: dict, path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("median turn latency: end of the user's speech → first agent audio (ms)")
     ax.set_title(f"voice agent on {res['devices']} ({res['date']}, {res['commit']})", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.25), ncol=1, frameon=False)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -105,9 +114,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48, help="the reply's token cap")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_cpu.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "agent_cpu.png"))
+    ap.add_argument("--from-json", default=None, help="only plot this results JSON")
     ap.add_argument("--compare", action="store_true",
                     help="alternate preemptive replies (the default) with replies started after the final")
     args = ap.parse_args()
+    if args.from_json:
+        import json
+
+        plot(json.loads(Path(args.from_json).read_text()), args.plot)
+        return 0
     if args.rounds < 1 or args.warmup < 0 or args.max_tokens < 1:
         ap.error("--rounds and --max-tokens take at least 1, --warmup at least 0")
 
