@@ -559,11 +559,7 @@ class AgentSession:
         r.speculative = False
         r.extra = ()  # the user message is in the history now (the prompt had it as extra)
         r.t_turn_end, r.t_final = self._speech_end_t, t_final
-        self.response = r
-        self._responses[r.id] = r
-        self._responses[r.item_id] = r
-        while len(self._responses) > 64:
-            self._responses.pop(next(iter(self._responses)))
+        self._register(r)
         held, r.held = r.held, []
         for ev in held:
             self._out(r, ev)
@@ -685,13 +681,17 @@ class AgentSession:
         r = _Response(id=f"resp_{uuid.uuid4().hex[:20]}", item_id=f"item_{uuid.uuid4().hex[:20]}",
                       t_turn_end=t_turn_end, t_final=t_final, max_tokens=max_tokens or self.cfg.max_tokens,
                       instructions=instructions, metadata=metadata, conversation=conversation, extra=extra)
+        self._register(r)
+        r.task = asyncio.create_task(self._run_response(r), name=f"agent-reply-{r.id}")
+        return r.id
+
+    def _register(self, r: _Response) -> None:
+        """``r`` is the reply in flight, found by its ids (truncate) for a while."""
         self.response = r
         self._responses[r.id] = r
         self._responses[r.item_id] = r
         while len(self._responses) > 64:  # bounded: old items can no longer be truncated
             self._responses.pop(next(iter(self._responses)))
-        r.task = asyncio.create_task(self._run_response(r), name=f"agent-reply-{r.id}")
-        return r.id
 
     async def cancel_response(self, response_id: str | None = None) -> bool:
         r = self.response
