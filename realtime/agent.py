@@ -57,6 +57,7 @@ DEFAULT_INSTRUCTIONS = ("You are a friendly voice assistant on a phone call. Ans
                         "plain sentences without lists or markup.")
 MAX_TURNS_KEPT = 200  # per-turn metrics kept on a session
 COMMIT_TIMEOUT_S = 15.0
+PREEMPT_FREE_SLOTS = 2  # a preemptive reply starts only while the text service has this many slots free
 DEFAULT_CHARS_PER_MS = 0.015  # ~15 characters a second: English at a conversational pace
 
 
@@ -536,6 +537,8 @@ class AgentSession:
             return
         if self.response is not None or self._reply_pending or self.closed:
             return
+        if self.text.free_slots() < PREEMPT_FREE_SLOTS:
+            return  # a guess must not hold the slot that another caller's real reply needs
         asr_sil = getattr(self.asr.cfg, "min_silence_ms", 500)
         if cfg.silence_duration_ms > asr_sil:
             return  # the turn ends later than the VAD says: a preemptive reply would wait anyway

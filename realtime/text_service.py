@@ -698,6 +698,10 @@ class TextService(Service):
         assert request.prompt is not None
         return tok.encode(request.prompt, add_special=True)
 
+    def free_slots(self) -> int:
+        """KV-cache slots no request holds now (a new prompt starts at once while there is one)."""
+        return self.prefill_lane.pool.available() if self.prefill_lane is not None else 0
+
     def submit(self, request: "Request | Sequence[dict[str, str]] | str", params: GenParams | None = None) -> TextJob:
         """Queue a request: a Request, chat messages, or a raw prompt string (+ params).
 

@@ -580,3 +580,28 @@ async def test_preemptive_reply_is_dropped_unheard_when_the_user_goes_on(live) -
     finally:
         await s.close()
         live.agent.end_session(s)
+
+
+async def test_no_preemptive_reply_while_text_slots_are_short(live) -> None:  # noqa: ANN001
+    """A guess must not take the last free KV-cache slot from another caller's real reply."""
+    text = live.state.services["text"]
+    pool = text.prefill_lane.pool
+    taken = [pool.take() for _ in range(pool.available() - 1)]  # as if other replies held them
+    s = live.agent.new_session(live.state, AgentConfig(max_tokens=REPLY_TOKENS, temperature=0.0, seed=0))
+    await s.start()
+    try:
+        assert text.free_slots() == 1
+        await s._on_asr({"type": "speech_started", "at_ms": 300})
+        await s._on_asr({"type": "final_preview", "text": QUESTION, "end_ms": 2000})
+        assert s._spec is None and s.spec_stats["started"] == 0
+        for slot in taken:
+            pool.give(slot)
+        taken = []
+        await s._on_asr({"type": "final_preview", "text": QUESTION + " Please.", "end_ms": 2100})
+        assert s._spec is not None and s.spec_stats["started"] == 1
+    finally:
+        for slot in taken:
+            pool.give(slot)
+        await s.close()
+        live.agent.end_session(s)
+    assert s.spec_stats == {"started": 1, "committed": 0, "dropped": 1}
