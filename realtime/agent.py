@@ -328,9 +328,9 @@ class AgentSession:
     def _new_asr_job(self) -> None:
         from realtime.protocol.asr import ASRParams
 
-        job = self.asr.new_job(ASRParams(sample_rate=ASR_RATE, format="pcm_f32le",
+        # preview: final_preview / speech_resumed, for preemptive replies
+        job = self.asr.new_job(ASRParams(sample_rate=ASR_RATE, format="pcm_f32le", preview=True,
                                          interim=self.cfg.interim_transcripts), live=True, session=self.id)
-        job.preview = True  # final_preview / speech_resumed: preemptive replies
         if self.metrics is not None:
             job.on_final = self.metrics.asr_final.observe
         wake = asyncio.Event()

@@ -143,10 +143,11 @@ class ASRJob(Job):
         self.latencies: list[float] = []  # end of speech -> final, seconds
         self.compute_s = 0.0
         self.on_final: Callable[[float], None] | None = None
-        # In-process consumers (the voice agent) may ask for a preview of the likely final: the
-        # hypothesis of the decode made when silence began ({"type": "final_preview"}), then
-        # {"type": "speech_resumed"} if the speaker goes on before the VAD ends the utterance.
-        self.preview = False
+        # A client (``preview`` in its start; the voice agent always) may ask for a preview of the
+        # likely final: the hypothesis of the decode made when silence began ({"type":
+        # "final_preview"}), then {"type": "speech_resumed"} if the speaker goes on before the VAD
+        # ends the utterance.
+        self.preview = params.preview
         self.preview_sent = False
 
     def notify(self) -> None:

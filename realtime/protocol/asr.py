@@ -6,7 +6,7 @@ States::
                              |  ^ audio / finalize
     any state --protocol error--> FAILED
 
-Client messages: ``start`` (sample_rate, format, language?, interim?), ``audio`` (bytes of the
+Client messages: ``start`` (sample_rate, format, language?, interim?, preview?), ``audio`` (bytes of the
 start's format, any length that is a whole number of samples), ``finalize`` (end the current
 utterance now), ``stop`` (finalize, then the server sends ``done`` and closes 1000).
 """
@@ -37,6 +37,7 @@ class ASRParams:
     format: str = "pcm_s16le"
     language: str | None = None  # None: the model's default (English, or detected when multilingual)
     interim: bool = True  # send revisable partials
+    preview: bool = False  # send final_preview (the likely final, when silence begins) and speech_resumed
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,9 @@ def parse_start(msg: dict[str, Any], languages: Collection[str] | None = None) -
             listed = ", ".join(sorted(languages)[:12])
             raise UnsupportedError(f"language '{lang[:12]}' is not supported by this model; use {listed}")
     interim = _field(msg, "interim", bool)
-    return ASRParams(sample_rate=rate, format=fmt, language=lang, interim=True if interim is None else interim)
+    preview = _field(msg, "preview", bool)
+    return ASRParams(sample_rate=rate, format=fmt, language=lang, interim=True if interim is None else interim,
+                     preview=bool(preview))
 
 
 class ASRProtocol:

@@ -19,8 +19,9 @@ def test_start_defaults_and_fields() -> None:
     p = started()
     assert p.params == ASRParams(sample_rate=16000, format="pcm_s16le", language=None, interim=True)
     assert p.state is ASRState.STREAMING
-    q = started(sample_rate=8000, format="mulaw", language="EN", interim=False)
-    assert q.params == ASRParams(sample_rate=8000, format="mulaw", language="en", interim=False)
+    q = started(sample_rate=8000, format="mulaw", language="EN", interim=False, preview=True)
+    assert q.params == ASRParams(sample_rate=8000, format="mulaw", language="en", interim=False, preview=True)
+    assert not p.params.preview
     for rate in (8000, 16000, 22050, 24000, 48000):
         assert parse_start({"type": "start", "sample_rate": rate}).sample_rate == rate
 
@@ -33,6 +34,7 @@ def test_start_defaults_and_fields() -> None:
     ({"language": "fr"}, UnsupportedError, "unsupported"),  # English-only model
     ({"language": 3}, ProtocolError, "bad_field"),
     ({"interim": "yes"}, ProtocolError, "bad_field"),
+    ({"preview": 1}, ProtocolError, "bad_field"),
 ])
 def test_bad_start(fields: dict, err: type, code: str) -> None:
     p = ASRProtocol(languages=("en",))

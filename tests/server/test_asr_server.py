@@ -86,7 +86,8 @@ class Result:
 
 
 async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm_s16le", chunk_ms: int = 20,
-                 pace: float | None = 1.0, interim: bool = True, json_frames: bool = False) -> Result:
+                 pace: float | None = 1.0, interim: bool = True, json_frames: bool = False,
+                 preview: bool = False) -> Result:
     """Send ``audio`` (float, at ``rate``) in chunks at ``pace`` x real time, then stop; collect replies."""
     res = Result(pace=pace or 1.0)
 
@@ -97,7 +98,10 @@ async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm
         return msgpack.packb(msg)
 
     async with websockets.connect(url, max_size=1 << 22) as ws:
-        await ws.send(enc({"type": "start", "sample_rate": rate, "format": fmt, "interim": interim}))
+        start = {"type": "start", "sample_rate": rate, "format": fmt, "interim": interim}
+        if preview:
+            start["preview"] = True
+        await ws.send(enc(start))
         ready = await ws.recv()
         ready = json.loads(ready) if isinstance(ready, str) else msgpack.unpackb(ready)
         assert ready["type"] == "ready", ready
@@ -138,6 +142,7 @@ async def test_realtime_stream_partials_then_final(live, arctic) -> None:  # noq
     assert kinds[0] == "ready" and kinds[-1] == "done"
     assert kinds.count("speech_started") == 1 and kinds.count("speech_stopped") == 1
     assert kinds.index("speech_started") < kinds.index("partial") < kinds.index("speech_stopped")
+    assert "final_preview" not in kinds and "speech_resumed" not in kinds  # only when asked for
     finals = res.of("final")
     assert len(finals) == 1
     assert norm(finals[0]["text"]) == norm(ARCTIC)
@@ -247,8 +252,7 @@ def test_final_preview_when_silence_begins_and_speech_resumed(live, arctic) -> N
     audio at a time, on lanes of our own (no clock race with the server)."""
     svc = live.state.services["asr"]
     vad_lane, lane = VadLane(svc.vad, svc.cfg), DecodeLane(svc.whisper, svc.cfg)
-    job = svc.new_job(ASRParams(interim=False))
-    job.preview = True
+    job = svc.new_job(ASRParams(interim=False, preview=True))
     for ln in (vad_lane, lane):
         ln.add(job)
     z = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
@@ -274,6 +278,23 @@ def test_final_preview_when_silence_begins_and_speech_resumed(live, arctic) -> N
     first = msgs[kinds.index("final_preview")]
     assert len(norm(first["text"]).split()) <= len(norm(ARCTIC).split()) + 1
     print(f"previews: {[(m['end_ms'], m['text']) for m in msgs if m['type'] == 'final_preview']}")
+
+
+async def test_preview_over_the_socket(live, arctic) -> None:  # noqa: ANN001
+    """``preview`` in the start: the decode made when silence began arrives as a final_preview
+    before the VAD's end, and the final that follows says the same."""
+    lane = live.state.services["asr"].decode_lane
+    steps0, busy0 = lane.steps, lane.busy_s
+    res = await stream(f"{live.ws}/v1/asr", speech(arctic, tail_s=1.2), pace=1.0, interim=False, preview=True)
+    step = (lane.busy_s - busy0) / max(1, lane.steps - steps0)
+    kinds = [m["type"] for _, m in res.messages]
+    assert kinds.count("final") == 1 and "partial" not in kinds and "speech_resumed" not in kinds, kinds
+    final = res.of("final")[0]
+    previews = res.of("final_preview")
+    if step < 1.0 or previews:  # a machine this slow may reach the VAD's end before the decode
+        assert previews and kinds.index("final_preview") < kinds.index("speech_stopped"), (kinds, step)
+        assert previews[-1]["text"] == final["text"] and norm(final["text"]) == norm(ARCTIC)
+        assert previews[-1]["end_ms"] <= final["end_ms"]
 
 
 def test_served_numerics_and_asr_exact(live) -> None:  # noqa: ANN001
