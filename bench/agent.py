@@ -66,6 +66,16 @@ async def one_turn(url: str, audio: np.ndarray, rate: int, max_tokens: int) -> d
             "reply_audio_s": len(conv.audio) / conv.sample_rate, "wall_s": time.monotonic() - t0}
 
 
+async def some_turns(url: str, audio: np.ndarray, rate: int, max_tokens: int, n: int) -> list[dict]:
+    """``n`` conversations saying the prompt at once (their starts 0.2 s apart, as callers are)."""
+
+    async def later(i: int) -> dict:
+        await asyncio.sleep(0.2 * i)
+        return await one_turn(url, audio, rate, max_tokens)
+
+    return list(await asyncio.gather(*[later(i) for i in range(n)]))
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
 
@@ -100,7 +110,8 @@ def plot(res: dict, path: str) -> None:
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.set_xlabel("median turn latency: end of the user's speech → first agent audio (ms)")
-    ax.set_title(f"voice agent on {res['devices']} ({res['date']}, {res['commit']})", fontsize=10)
+    at_once = f", {res['sessions']} conversations at once" if res.get("sessions", 1) > 1 else ""
+    ax.set_title(f"voice agent on {res['devices']}{at_once} ({res['date']}, {res['commit']})", fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.25), ncol=1, frameon=False)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +126,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "agent_cpu.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "agent_cpu.png"))
     ap.add_argument("--from-json", default=None, help="only plot this results JSON")
+    ap.add_argument("--sessions", type=int, default=1, help="conversations at once (each says the prompt)")
     ap.add_argument("--compare", action="store_true",
                     help="alternate preemptive replies (the default) with replies started after the final")
     args = ap.parse_args()
@@ -123,8 +135,8 @@ def main() -> int:
 
         plot(json.loads(Path(args.from_json).read_text()), args.plot)
         return 0
-    if args.rounds < 1 or args.warmup < 0 or args.max_tokens < 1:
-        ap.error("--rounds and --max-tokens take at least 1, --warmup at least 0")
+    if args.rounds < 1 or args.warmup < 0 or args.max_tokens < 1 or args.sessions < 1:
+        ap.error("--rounds, --max-tokens and --sessions take at least 1, --warmup at least 0")
 
     import torch
     from liveserver import serve
@@ -151,9 +163,9 @@ def main() -> int:
                 for mode, pre in modes.items():
                     if pre is not None:
                         agent.agent_cfg = replace(agent.agent_cfg, preemptive=pre)
-                    t = asyncio.run(one_turn(url, audio, rate, args.max_tokens))
+                    got = asyncio.run(some_turns(url, audio, rate, args.max_tokens, args.sessions))
                     if r >= args.warmup:
-                        turns[f"{name}, {mode}" if args.compare else name].append(t)
+                        turns[f"{name}, {mode}" if args.compare else name] += got
             last = turns[f"{name}, {mode}" if args.compare else name][-1]
             log(f"  heard {last['user_transcript']!r}; replied {last['reply'][:70]!r}")
 
@@ -161,6 +173,7 @@ def main() -> int:
     res = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": platform.machine(),
            "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "devices": "cpu", "max_tokens": args.max_tokens, "rounds": args.rounds, "warmup": args.warmup,
+           "sessions": args.sessions,
            "prompts": {}}
     for name, ts in turns.items():
         vals = {k: [float(t[k]) for t in ts if t.get(k) is not None] for k in keys}
@@ -171,7 +184,8 @@ def main() -> int:
                                 "p95": {k: pct(v, 95) for k, v in vals.items()}, "turns": ts}
 
     print(f"\nvoice agent, embedded models on the CPU  commit {res['commit']}  {res['date']}  "
-          f"({args.rounds} turns a prompt after {args.warmup} warm-up; replies of at most {args.max_tokens} tokens)")
+          f"({args.rounds} turns a prompt after {args.warmup} warm-up, {args.sessions} conversation(s) at once; "
+          f"replies of at most {args.max_tokens} tokens)")
     w = max(len(n) for n in res["prompts"]) + 2
     print(f"{'prompt':<{w}}{'turn p50':>10}{'turn p95':>10}{'ASR final':>11}{'LLM TTFT':>10}{'TTS TTFA':>10}"
           f"{'tok/s':>7}{'underruns':>11}{'preemptive':>12}")
