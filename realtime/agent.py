@@ -560,6 +560,10 @@ class AgentSession:
         self._spec = None
         self.spec_stats["committed"] += 1
         r.speculative = False
+        for job in (r.text_job, r.tts_job):
+            if job is not None:
+                job.speculative = False  # wanted now: its own deadline again
+        self.scheduler.wake()
         r.extra = ()  # the user message is in the history now (the prompt had it as extra)
         r.t_turn_end, r.t_final = self._speech_end_t, t_final
         self._register(r)
@@ -734,11 +738,13 @@ class AgentSession:
             params = GenParams(max_tokens=r.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                seed=cfg.seed)
             r.text_job = self.text.submit(msgs, params)
+            r.text_job.speculative = r.speculative  # a guess runs in the gaps until committed
             tts_job = self.tts.new_job(StartParams(voice=cfg.voice, format=cfg.out_format,
                                                    sample_rate=cfg.out_rate, chunk_ms=cfg.chunk_ms),
                                        session=self.id)
             wake = asyncio.Event()
             tts_job.output.bind(asyncio.get_running_loop(), wake)
+            tts_job.speculative = r.speculative
             self.tts.submit(self.scheduler, tts_job)
             r.tts_job = tts_job
 

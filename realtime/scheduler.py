@@ -35,6 +35,10 @@ from realtime.errors import RealtimeError
 log = logging.getLogger("realtime.scheduler")
 
 BACKGROUND_SLACK_S = 1.0  # background work (image steps) yields to any job due sooner than this
+# A speculative job (the voice agent's reply started before the turn has surely ended) yields to any
+# job due sooner than this: it runs in the gaps and never delays real work (the VAD that will end
+# the turn, other callers' speech).
+SPECULATIVE_SLACK_S = 0.25
 # A worker with nothing ready looks again after this long even if nobody woke it: work that becomes
 # ready by the clock alone (speech held MAX_AHEAD_S ahead of its player) resumes on this tick, so
 # many streams refill in one batch instead of one step per stream; it also covers a lost wake-up.
@@ -69,6 +73,7 @@ class Job:
         self.created = time.monotonic() if now is None else now
         self.lock = threading.Lock()  # guards the subclass's queues between the loop and workers
         self.error: BaseException | None = None
+        self.speculative = False  # see SPECULATIVE_SLACK_S; cleared when the work is wanted after all
 
     @property
     def active(self) -> bool:
@@ -147,6 +152,12 @@ class Choice:
     jobs: list[Job]
 
 
+def due(job: Job, now: float) -> float:
+    """The deadline ``pick`` ranks ``job`` by: its own, later for a speculative job."""
+    d = job.deadline(now)
+    return max(d, now + SPECULATIVE_SLACK_S) if job.speculative else d
+
+
 def pick(lanes: Sequence[Lane], now: float) -> Choice | None:
     """Earliest-deadline-first over lanes: the lane holding the most urgent ready job wins, and runs
     a batch of its ready jobs, most urgent first, up to its max batch."""
@@ -156,8 +167,8 @@ def pick(lanes: Sequence[Lane], now: float) -> Choice | None:
             ready = lane.ready_jobs()
             if not ready:
                 continue
-            ready.sort(key=lambda j: (j.deadline(now), j.id))
-            key = (ready[0].deadline(now), order)
+            ready.sort(key=lambda j: (due(j, now), j.id))
+            key = (due(ready[0], now), order)
         except Exception as exc:  # a lane bug in is_ready/deadline fails that lane's jobs, not the worker
             log.exception("lane %s failed while picking", lane.name)
             for job in list(lane.jobs):

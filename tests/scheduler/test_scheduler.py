@@ -8,7 +8,8 @@ import time
 import pytest
 
 from realtime.errors import OverloadedError
-from realtime.scheduler import BACKGROUND_SLACK_S, Job, JobState, Lane, Priority, Scheduler, pick
+from realtime.scheduler import (BACKGROUND_SLACK_S, SPECULATIVE_SLACK_S, Job, JobState, Lane, Priority, Scheduler,
+                                pick)
 
 
 class FakeJob(Job):
@@ -91,6 +92,27 @@ def test_background_work_fills_gaps_but_yields_to_due_speech() -> None:
     speech.add(due)
     choice = pick([speech, image], now=0.0)
     assert choice is not None and choice.lane is speech and choice.jobs[0] is due
+
+
+def test_speculative_work_yields_to_work_due_soon_and_rides_along_in_batches() -> None:
+    asr, text = FakeLane("asr"), FakeLane("text", max_batch=4)
+    guess = FakeJob(-5.0)  # the voice agent's preemptive reply: due long ago by its own clock
+    guess.speculative = True
+    text.add(guess)
+    audio = FakeJob(0.5 * SPECULATIVE_SLACK_S)  # the VAD's next audio, due soon
+    asr.add(audio)
+    choice = pick([asr, text], now=0.0)
+    assert choice is not None and choice.lane is asr
+    audio.work = 0
+    other = FakeJob(2 * SPECULATIVE_SLACK_S)  # another caller's reply, not due yet
+    text.add(other)
+    choice = pick([asr, text], now=0.0)  # nothing due soon: the guess runs, the other rides along
+    assert choice is not None and choice.lane is text and [j.id for j in choice.jobs] == [guess.id, other.id]
+    guess.speculative = False  # committed: its own deadline again
+    late = FakeJob(-1.0)
+    asr.add(late)
+    choice = pick([asr, text], now=0.0)
+    assert choice is not None and choice.lane is text and choice.jobs[0] is guess
 
 
 def test_scheduler_runs_jobs_on_worker_threads_and_reaps_them() -> None:

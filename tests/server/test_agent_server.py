@@ -510,12 +510,15 @@ async def _turn(live, preemptive: bool) -> tuple[list, object]:  # noqa: ANN001
             assert spec is not None and spec.speculative
             # it runs unheard: its audio waits, nothing of it reaches the client
             await _until(lambda: any(isinstance(e, ResponseAudio) for e in spec.held))
+            assert spec.text_job.speculative and spec.tts_job.speculative  # it runs in the gaps
             seen = _queued(s)
             assert [type(e).__name__ for e in seen] == ["UserSpeechStarted"]
         else:
             assert spec is None
         await s._on_asr({"type": "speech_stopped", "at_ms": 2150})
         await s._on_asr({"type": "final", "text": QUESTION, "start_ms": 300, "end_ms": 2150})
+        if spec is not None:  # committed: wanted now, its jobs ranked by their own deadlines
+            assert not spec.speculative and not spec.text_job.speculative and not spec.tts_job.speculative
         events = seen + _queued(s) + await _events_until_finished(s)
         return events, s
     finally:
