@@ -77,9 +77,10 @@ const SHORT = [
   ['tts_ttfa_ms', 'tts', ' ms'],
   ['llm_tokens_per_s', '', ' tok/s'],
   ['underruns', 'underruns', ''],
+  ['preemptive_ms', 'started early', ' ms'], // a preemptive reply: how long before the final
 ];
 
-/** Compact: "turn 812 ms · asr 301 ms · llm 95 ms · tts 60 ms · 31 tok/s · underruns 0". */
+/** Compact: "turn 512 ms · asr 301 ms · llm 95 ms · tts 60 ms · 31 tok/s · underruns 0 · started early 240 ms". */
 function metricsText(t) {
   const m = t.metadata;
   const tail = t.interrupted ? ' · interrupted' : '';
