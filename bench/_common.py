@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The real speech the benches use (CMU ARCTIC, 16 kHz; tests/assets/COPYING.cmu_arctic) and what it says
+ARCTIC_CLIP = ROOT / "tests" / "assets" / "arctic_a0009.wav"
+ARCTIC_TEXT = "He turned sharply, and faced Gregson across the table."
 
 
 def commit() -> str:

@@ -26,12 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import commit, log, pct, write_json  # bench/ is on sys.path when a script runs
+from _common import ARCTIC_CLIP, ARCTIC_TEXT, commit, log, pct, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 
-CLIP = ROOT / "tests" / "assets" / "arctic_a0009.wav"
 QUESTIONS = {
     "capital": "What is the capital of France?",
     "ocean": "Can you tell me something interesting about the ocean?",
@@ -47,8 +46,8 @@ def prompts() -> dict[str, tuple[np.ndarray, int, str]]:
 
     from realtime.engines.vits import PiperVoice
 
-    audio, rate = sf.read(CLIP, dtype="float32")
-    out = {"arctic": (audio, rate, "He turned sharply, and faced Gregson across the table.")}
+    audio, rate = sf.read(ARCTIC_CLIP, dtype="float32")
+    out = {"arctic": (audio, rate, ARCTIC_TEXT)}
     voice = PiperVoice.load()
     for name, text in QUESTIONS.items():
         out[name] = (voice.synthesize(text, generator=torch.Generator().manual_seed(0)), voice.sample_rate, text)

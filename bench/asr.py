@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import commit, log, write_json  # bench/ is on sys.path when a script runs
+from _common import ARCTIC_CLIP, ARCTIC_TEXT, commit, log, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -62,7 +62,6 @@ SENTENCES = ["The weather is nice today.", "The train leaves at noon.", "She rea
              "Thank you for your patience."]
 
 
-ARCTIC = "He turned sharply, and faced Gregson across the table."
 
 
 def wer(args: argparse.Namespace, texts: list[list[str]]) -> float | None:
@@ -76,7 +75,7 @@ def wer(args: argparse.Namespace, texts: list[list[str]]) -> float | None:
     def norm(t: str) -> str:
         return " ".join(re.sub(r"[^\w' ]+", " ", t.lower()).split())
 
-    ref = norm(" ".join([ARCTIC] + SENTENCES[: args.utterances - 1]))
+    ref = norm(" ".join([ARCTIC_TEXT] + SENTENCES[: args.utterances - 1]))
     return round(float(jiwer.wer([ref] * len(texts), [norm(" ".join(t)) for t in texts])), 4)
 
 
@@ -100,7 +99,7 @@ def clips(n: int) -> list[np.ndarray]:
     from realtime.codecs.resample import resample
     from realtime.tts_piper import PiperBackend
 
-    out = [read_wav(ROOT / "tests" / "assets" / "arctic_a0009.wav")]
+    out = [read_wav(ARCTIC_CLIP)]
     if n > 1:
         voice = PiperBackend().voice
         for s in SENTENCES[: n - 1]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import commit, log, pct, write_json  # bench/ is on sys.path when a script runs
+from _common import ARCTIC_CLIP, ARCTIC_TEXT, commit, log, pct, write_json  # bench/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
@@ -36,8 +36,7 @@ PROMPTS = {
     "reference": "Hello there, how are you today?",
 }
 REFERENCE_S = 5.0
-REFERENCE_CLIP = ROOT / "tests" / "assets" / "arctic_a0009.wav"
-REFERENCE_TEXT = "He turned sharply, and faced Gregson across the table."
+REFERENCE_CLIP, REFERENCE_TEXT = ARCTIC_CLIP, ARCTIC_TEXT
 
 
 def reference_wav() -> dict:
