@@ -581,10 +581,7 @@ class AgentSession:
             return None
         self.spec_stats["dropped"] += 1
         r.status, r.reason, r.finished = "cancelled", "preempted", True
-        if r.text_job is not None and r.text_job.active:
-            self.text.cancel(r.text_job)
-        if r.tts_job is not None and r.tts_job.active:
-            self.scheduler.cancel(r.tts_job)
+        self._cancel_jobs(r)
         if r.task is not None and not r.task.done():
             r.task.cancel()
         return r
@@ -707,15 +704,19 @@ class AgentSession:
         await self._cancel_response(r, "client_cancelled")
         return True
 
+    def _cancel_jobs(self, r: _Response) -> None:
+        """Take the reply's LLM and TTS jobs off the scheduler now (before their next step)."""
+        if r.text_job is not None and r.text_job.active:
+            self.text.cancel(r.text_job)
+        if r.tts_job is not None and r.tts_job.active:
+            self.scheduler.cancel(r.tts_job)
+
     async def _cancel_response(self, r: _Response, reason: str, notify: bool = True) -> None:
         if r.finished:
             return
         now = time.monotonic()
         r.status, r.reason = "cancelled", reason
-        if r.text_job is not None and r.text_job.active:
-            self.text.cancel(r.text_job)
-        if r.tts_job is not None and r.tts_job.active:
-            self.scheduler.cancel(r.tts_job)
+        self._cancel_jobs(r)
         if r.task is not None and not r.task.done() and r.task is not asyncio.current_task():
             r.task.cancel()
             await asyncio.gather(r.task, return_exceptions=True)
