@@ -487,7 +487,7 @@ class DecodeLane(Lane):
         self.history.append((end - step, end))
         log.debug("decode step: %s in %.3f s", [(r.job.id, r.kind, r.urgent, len(r.audio) // 16) for r in rows], step)
         dt = step / len(rows)
-        gap_until = time.monotonic() + self.cfg.partial_gap * step
+        gap_until = end + self.cfg.partial_gap * step
         for r, text in zip(rows, texts, strict=True):
             r.job.next_partial_at = gap_until
             self._apply(r, text.split())
