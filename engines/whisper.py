@@ -547,8 +547,8 @@ class Whisper:
                         dtype: torch.dtype = torch.float32, cpu_native: bool = False) -> "Whisper":
         """Load a CTranslate2 or Hugging Face Whisper folder; None -> the bundled tiny.en.
 
-        ``cpu_native`` (a float32 model on the CPU): the encoder and the cross-attention key/value
-        products in bfloat16 where the CPU has native bf16 products (AVX512-BF16 / AMX): ~2.8x
+        ``cpu_native`` (a float32 model on the CPU): the encoder, the cross-attention key/value
+        products and the vocabulary projection in bfloat16 where the CPU has native bf16 products (AVX512-BF16 / AMX): ~2.8x
         faster encoding on such a 2-core VM, transcripts as float32's on the tests' speech (not
         bit-identical: the parity tests use the default, exact float32)."""
         p = default_model_dir() if path is None else Path(path)
