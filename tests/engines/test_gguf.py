@@ -12,7 +12,9 @@ import random
 import pytest
 import torch
 
-from realtime.engines.llama import TextModel, default_gguf_path
+from pathlib import Path
+
+from realtime.engines.llama import TextModel, default_gguf_path, gguf_model_id
 from realtime.engines.tokenizer import StreamDecoder
 
 transformers = pytest.importorskip("transformers")
@@ -106,6 +108,15 @@ def test_answers_capital_of_france(ours: TextModel, greedy_runs) -> None:
     assert stop, "the model should end its answer within 32 tokens"
     text = tok.decode(out[: stop[0]])
     assert "Paris" in text, text
+
+
+def test_model_id_is_the_file_name_without_its_quantisation(ours: TextModel) -> None:
+    """/v1/models lists the embedded model as a slug a client can type, not the file's free-text general.name."""
+    assert ours.name == "SmolLM2-135M-Instruct"
+    for file, want in (("Llama-3.2-1B-Instruct-Q8_0.gguf", "Llama-3.2-1B-Instruct"),
+                       ("qwen3-0.6b.BF16.gguf", "qwen3-0.6b"), ("model.IQ4_XS.gguf", "model"),
+                       ("tiny.f16.gguf", "tiny"), ("Q4_0.gguf", "Q4_0"), ("plain", "plain")):
+        assert gguf_model_id(Path("/m") / file) == want, file
 
 
 def test_q4_codes_are_the_files_values() -> None:
