@@ -80,11 +80,14 @@ def build_checkpoint(shapes: dict, folder: Path, dtype: torch.dtype, device: tor
 
 
 def ours_tokens_per_s(model, batch: int, prompt: int, steps: int, graphs: bool, temperature: float,  # noqa: ANN001
-                      context: int, profile: dict | None = None, pipelined: bool = False) -> tuple[float, list[int]]:
+                      context: int, profile: dict | None = None, pipelined: bool = False,
+                      advance: bool | None = None) -> tuple[float, list[int]]:
     from realtime.text_service import BatchDecoder
 
     dev = model.device
     dec = BatchDecoder(model, batch, context, cuda_graphs=graphs)
+    if advance is not None:  # the step's token pick and bookkeeping in one launch (advance_rows) or torch ops
+        dec.use_fused_advance(advance)
     g = torch.Generator().manual_seed(1)
     for s in range(batch):
         ids = torch.randint(0, model.vocab_size, (prompt,), generator=g).tolist()
@@ -208,6 +211,9 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--profile", action="store_true", help="batch 1, graphed: device-only time and a kernel table")
+    ap.add_argument("--advance-ab", action="store_true",
+                    help="CUDA: before each of our rows, a row with the token pick and slot bookkeeping as torch "
+                         "ops (impl suffix -torchpick), not advance_rows' one launch")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "text.json"))
     args = ap.parse_args()
 
@@ -265,10 +271,19 @@ def main() -> int:
         modes = [(g, False) for g in graph_modes] + ([(True, True)] if True in graph_modes else [])
         for b in batches:
             for graphs, pipelined in modes:
+                impl = "ours-graph-pipelined" if pipelined else "ours-graph" if graphs else "ours-eager"
+                toks_ops = None
+                if args.advance_ab and device.type == "cuda":  # the torch ops first, then the default
+                    tps, toks_ops = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context,
+                                                      None, pipelined, advance=False)
+                    results["rows"].append({"impl": impl + "-torchpick", "batch": b, "tokens_per_s": tps,
+                                            "ms_per_step": 1000 * b / tps, "first_row": toks_ops[:16]})
+                    log(f"{impl}-torchpick batch {b}: {tps:.0f} tok/s (the token pick and bookkeeping as torch ops)")
                 prof = {} if args.profile and b == 1 and not pipelined else None
                 tps, toks = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context, prof,
                                               pipelined)
-                impl = "ours-graph-pipelined" if pipelined else "ours-graph" if graphs else "ours-eager"
+                if toks_ops is not None:
+                    log(f"{impl} batch {b}: the same tokens as the torch ops: {toks == toks_ops}")
                 results["rows"].append({"impl": impl, "batch": b,
                                         "tokens_per_s": tps, "ms_per_step": 1000 * b / tps, "first_row": toks[:16]})
                 if prof:
@@ -332,10 +347,10 @@ def main() -> int:
 
     floor = results["floor_tokens_per_s_batch1"]
     print()
-    print(f"{'impl':<21} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor(b1)':>11} {'agree':>6}")
+    print(f"{'impl':<31} {'batch':>5} {'tok/s':>10} {'ms/step':>9} {'x floor(b1)':>11} {'agree':>6}")
     for r in results["rows"]:
         ag = r.get("agrees_with_hf")
-        print(f"{r['impl']:<21} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['ms_per_step']:>9.2f} "
+        print(f"{r['impl']:<31} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['ms_per_step']:>9.2f} "
               f"{r['tokens_per_s'] / floor:>11.2f} {'' if ag is None else f'{ag:.2f}':>6}")
     print(f"bandwidth floor at batch 1: {floor:.0f} tok/s ({results['weight_bytes_per_step'] / 1e9:.3f} GB/step at "
           f"{results['copy_bandwidth_GBps']:.0f} GB/s)")

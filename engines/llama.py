@@ -359,10 +359,11 @@ class TextModel(nn.Module):
     def new_cache(self, n_slots: int, max_seq_len: int | None = None) -> KVCache:
         return KVCache(self.config, n_slots, max_seq_len or self.max_seq_len, device=self.device, dtype=self.dtype)
 
-    def _logits(self, h: Tensor) -> Tensor:
+    def _logits(self, h: Tensor, float32: bool = True) -> Tensor:
         w = self.embed_tokens.weight if self.tied else self.lm_head.weight
         if h.dim() == 2:  # decode rows: the GEMV when it was measured faster (gemv_head)
-            return project(h, w, None, self.gemv_head).float()
+            out = project(h, w, None, self.gemv_head)
+            return out.float() if float32 else out
         return F.linear(h, w).float()
 
     @torch.inference_mode()
@@ -380,8 +381,9 @@ class TextModel(nn.Module):
         return self._logits(h[0, -1])
 
     @torch.inference_mode()
-    def decode_step(self, cache: KVCache, slots: Tensor, tokens: Tensor, pos: Tensor) -> Tensor:
-        """One token per session: slots [B], tokens [B], pos [B] (each row's own position) -> logits [B, V].
+    def decode_step(self, cache: KVCache, slots: Tensor, tokens: Tensor, pos: Tensor, float32: bool = True) -> Tensor:
+        """One token per session: slots [B], tokens [B], pos [B] (each row's own position) -> logits [B, V]
+        (float32; ``float32=False``: the model's dtype, for a consumer that reads either).
 
         No host syncs or data-dependent branches (CUDA-graph capturable); the caller keeps pos < cache length.
         """
@@ -390,10 +392,10 @@ class TextModel(nn.Module):
             head = self.embed_tokens.weight if self.tied else self.lm_head.weight
             r = self.transformer.decode_row_fused(self.embed_tokens.weight, tokens, pos, cache, slots, head)
             if r is not None:
-                return r[1].float()
+                return r[1].float() if float32 else r[1]
         x = self.embed_tokens(tokens)[:, None]  # [B, 1, dim]
         h = self.transformer(x, pos[:, None], cache=cache, slots=slots)
-        return self._logits(h[:, 0])
+        return self._logits(h[:, 0], float32)
 
     @torch.inference_mode()
     def forward(self, ids: Tensor) -> Tensor:

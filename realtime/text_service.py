@@ -117,6 +117,17 @@ class BatchDecoder:
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
+        # On CUDA with the kernels on, a greedy or temperature-only step's tokens and its slots'
+        # tok / pos / step_no come from one launch (advance_rows), not a dozen torch ops; tests
+        # set it on the CPU (TRITON_INTERPRET=1) to compare the two.
+        from realtime.engines.transformer import use_kernels
+
+        self.fused_advance = dev.type == "cuda" and use_kernels()
+        cap = max(BUCKETS[-1], n)
+        self._out = torch.zeros(cap, dtype=torch.long, device=dev)  # advance_rows' tokens
+        self._work: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.fused_advance:
+            self.use_fused_advance(True)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
         if self.cuda_graphs and n_slots > BUCKETS[-1]:
             from realtime.errors import ConfigError
@@ -134,6 +145,14 @@ class BatchDecoder:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def use_fused_advance(self, on: bool) -> None:
+        """Pick a step's tokens and advance its slots in one launch (``advance_rows``), or by torch ops."""
+        from realtime.kernels.sampling import advance_work
+
+        self.fused_advance = bool(on)
+        if on and self._work is None:
+            self._work = advance_work(self._out.shape[0], self.device)
 
     @torch.inference_mode()
     def start(self, slot: int, ids: Sequence[int], temperature: float, top_k: int, top_p: float, seed: int) -> int:
@@ -185,7 +204,14 @@ class BatchDecoder:
         from realtime.engines.transformer import use_kernels
 
         pos = self.pos[idx]
-        logits = self.model.decode_step(self.cache, idx, self.tok[idx], pos)
+        fused = self.fused_advance and mode != "filter"
+        logits = self.model.decode_step(self.cache, idx, self.tok[idx], pos, float32=not fused)
+        if fused:  # the tokens and the slots' tok / pos / step_no in one launch (kernels/sampling.py)
+            from realtime.kernels.sampling import advance_rows
+
+            sampled = dict(temperature=self.temp, seeds=self.seed) if mode == "sample" else {}
+            return advance_rows(logits, idx, self.tok, self.pos, self.step_no, self._out, self.scratch,
+                                work=self._work, **sampled)
         if mode == "greedy":
             nxt = argmax(logits)
         elif mode == "sample" and logits.is_cuda and use_kernels():  # one Triton pass, chunked rows
@@ -286,7 +312,8 @@ class BatchDecoder:
 
         def step() -> torch.Tensor:
             out = self._eager(idx_buf, mode)
-            self._reset_scratch()
+            if not (self.fused_advance and mode != "filter"):  # (advance_rows puts the scratch slot back itself)
+                self._reset_scratch()
             return out
 
         # Each graph keeps its own memory pool: simpler to reason about than a shared one, and the

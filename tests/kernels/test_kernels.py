@@ -550,6 +550,51 @@ def test_gumbel_argmax_equals_engine(cpu_kernels, v):
     assert got[0] == 0 and got[1] == uniform_noise(seeds[1:2], steps[1:2], v).argmax(-1)[0]
 
 
+def _check_advance_rows(device: str, v: int) -> None:
+    """advance_rows = its reference and the samplers it stands for: the tokens (greedy over any row,
+    sampled with each slot's temperature, seed and step), tok / pos / step_no of the rows' slots,
+    the scratch slot put back to 0, other slots untouched; its scratch buffers left as found."""
+    b, slots, scratch = 6, 11, 10
+    logits, _, _, _, _ = _sampling_rows(b, v, device, seed=v)
+    logits[1, 5] = logits[1].max() + 1
+    logits[1, v - 2] = logits[1, 5]  # a tie across chunks: the first index wins
+    logits[2] = 0.0
+    logits[2, v // 2] = -0.0  # -0.0 ties +0.0
+    logits[3, 0] = float("-inf")
+    idx = torch.tensor([4, 0, 7, 2, scratch, scratch], device=device)
+    g = torch.Generator().manual_seed(v)
+    temp = torch.tensor([0.0, 1.0, 0.0, 0.7, 1.3, 0.5, 2.0, 1.0, 0.9, 1.0, 1.0], device=device)
+    seeds = torch.randint(-(2**62), 2**62, (slots,), generator=g).to(device)
+    base = [torch.randint(0, 1000, (slots,), generator=g).to(device) for _ in range(3)]  # tok, pos, steps
+    work = fused_sampling.advance_work(8, device)
+    for lg in (logits, logits.to(torch.bfloat16)):
+        for kw in ({}, dict(temperature=temp, seeds=seeds)):
+            got_t = [t.clone() for t in base]
+            want_t = [t.clone() for t in base]
+            out_g = torch.zeros(8, dtype=torch.long, device=device)
+            out_w = torch.zeros(8, dtype=torch.long, device=device)
+            got = fused_sampling.advance_rows(lg, idx, *got_t, out_g, scratch, work=work, **kw)
+            want = fused_sampling.advance_rows_ref(lg, idx, *want_t, out_w, scratch, **kw)
+            real = slice(0, 4)  # (the two scratch rows may read each other's step: their tokens are not used)
+            assert torch.equal(got[real], want[real]), (kw.keys(), got, want)
+            for g_t, w_t in zip(got_t, want_t):
+                assert torch.equal(g_t[:scratch], w_t[:scratch])
+            assert int(got_t[1][scratch]) == int(got_t[2][scratch]) == 0
+            if kw:
+                eng = engine_sample(lg[real], temp[idx[real]], torch.zeros(4, dtype=torch.long, device=device),
+                                    torch.ones(4, device=device), seeds[idx[real]], base[2][idx[real]], filtered=False)
+            else:
+                eng = lg[real].float().argmax(-1)
+            assert torch.equal(got[real], eng)
+            assert got[1] == 5 and (kw or got[2] == 0)
+            assert torch.equal(work[0], torch.full_like(work[0], -(2**63))) and not work[1].any()
+
+
+@pytest.mark.parametrize("v", [1000, 128256])
+def test_advance_rows_equals_reference(cpu_kernels, v):
+    _check_advance_rows("cpu", v)
+
+
 def test_sample_noise_is_the_engine_hash(cpu_kernels):
     """Flat logits, no top-k: the token is the argmax of the noise, so this checks every hash bit path."""
     b, v = 16, 2500
@@ -901,6 +946,24 @@ def test_gpu_gumbel_argmax_equals_engine():
     print(f"\ngumbel_argmax V=128256 B=1 bf16: kernel {_time_us(lambda: fused_sampling.gumbel_argmax(*one)):.1f} us, "
           f"one program a row {_time_us(lambda: sample(one[0], one[1], off_k[:1], one[2], one[3])):.1f} us, "
           f"engine {_time_us(lambda: engine_sample(one[0], one[1], off_k[:1], off_p[:1], one[2], one[3], filtered=False)):.1f} us")
+
+
+@pytest.mark.gpu
+def test_gpu_advance_rows_equals_reference():
+    for v in (1000, 49152, 128256):
+        _check_advance_rows("cuda", v)
+    logits, _, _, _, _ = _sampling_rows(1, 128256, "cuda")
+    lg = logits.to(torch.bfloat16)
+    idx = torch.zeros(1, dtype=torch.long, device="cuda")
+    state = [torch.zeros(2, dtype=torch.long, device="cuda") for _ in range(3)]
+    out, work = torch.zeros(1, dtype=torch.long, device="cuda"), fused_sampling.advance_work(1, "cuda")
+    eager, replay = _graph(lambda: fused_sampling.advance_rows(lg, idx, *state, out, 1, work=work).clone())
+    assert torch.equal(eager, replay) and int(state[1][0]) > 0  # (each run advanced slot 0's position)
+    from realtime.engines.sampling import greedy as engine_greedy
+
+    print(f"\nadvance_rows V=128256 B=1 bf16: one launch {_time_us(lambda: fused_sampling.advance_rows(lg, idx, *state, out, 1, work=work)):.1f} us, "
+          f"the torch ops {_time_us(lambda: fused_sampling.advance_rows_ref(lg.float(), idx, *state, out, 1)):.1f} us, "
+          f"the argmax alone {_time_us(lambda: engine_greedy(lg)):.1f} us")
 
 
 @pytest.mark.gpu

@@ -336,6 +336,36 @@ def test_padding_rows_on_the_scratch_slot_change_nothing(live) -> None:  # noqa:
     assert runs[0] == runs[1]
 
 
+def test_fused_advance_gives_the_torch_ops_tokens(live) -> None:  # noqa: ANN001
+    """The one-launch token pick and slot bookkeeping (kernels/sampling.advance_rows, on by default on
+    CUDA; here through the Triton interpreter) against the torch ops: greedy and temperature-only
+    steps, rows padded with the scratch slot, the same tokens, positions and sampler steps."""
+    import torch
+
+    from realtime.text_service import BatchDecoder
+
+    model, tok = live.svc.model, live.svc.tokenizer
+    assert not BatchDecoder(model, 1, 32).fused_advance  # (off on the CPU unless asked for)
+    runs = []
+    for fused in (False, True):
+        dec = BatchDecoder(model, 3, 96)
+        dec.use_fused_advance(fused)
+        temps = (0.0, 0.9, 1.3)
+        out = [[dec.start(s, tok.encode(tok.apply_chat_template(PROMPTS[s])), temps[s], 0, 1.0, seed=s)]
+               for s in range(3)]
+        idx = torch.tensor([0, 1, 2, dec.scratch])
+        for i in range(6):
+            with torch.inference_mode():
+                nxt = dec._eager(idx if i % 2 else idx[:3], "greedy" if i == 2 else "sample")
+                if not fused:
+                    dec._reset_scratch()
+            for s in range(3):
+                out[s].append(int(nxt[s]))
+        runs.append((out, dec.pos.tolist(), dec.step_no.tolist(), dec.tok.tolist()))
+    assert runs[0] == runs[1]
+    assert runs[0][0][1] != runs[0][0][2]  # the sampled rows sampled
+
+
 def test_unfiltered_sampling_skips_the_sort_and_keeps_the_tokens(live) -> None:  # noqa: ANN001
     """Rows without top-k/top-p (the API default) are sampled without the vocabulary sort: the same
     tokens as the filtering path, greedy rows mixed in; the lane picks the mode from the requests."""
@@ -387,9 +417,11 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (12, 30, 7, 19)]
     runs = []
-    for graphs, pipelined in ((False, False), (True, False), (True, True)):
+    # (the torch ops' token pick and bookkeeping, eager, then the one-launch advance_rows: the default)
+    for graphs, pipelined, fused in ((False, False, False), (False, False, True), (True, False, True), (True, True, True)):
         dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
-        assert dec.cuda_graphs is graphs
+        assert dec.cuda_graphs is graphs and dec.fused_advance
+        dec.use_fused_advance(fused)
         out: dict[int, list[int]] = {s: [] for s in range(4)}
         for s, ids in enumerate(prompts):
             temp = 0.0 if s % 2 == 0 else 0.9
@@ -415,7 +447,7 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
         runs.append(out)
         if graphs:
             assert {k[0] for k in dec._graphs} >= {2, 4}  # buckets were captured and replayed
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1] == runs[2] == runs[3]
     # rows without top-k/top-p: the graphed unsorted sampler gives the eager filtering path's tokens
     plain = []
     for graphs, filtered in ((False, True), (True, False)):
