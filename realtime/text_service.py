@@ -121,13 +121,12 @@ class BatchDecoder:
         # tok / pos / step_no come from one launch (advance_rows), not a dozen torch ops; tests
         # set it on the CPU (TRITON_INTERPRET=1) to compare the two.
         from realtime.engines.transformer import use_kernels
+        from realtime.kernels.sampling import advance_work
 
         self.fused_advance = dev.type == "cuda" and use_kernels()
         cap = max(BUCKETS[-1], n)
         self._out = torch.zeros(cap, dtype=torch.long, device=dev)  # advance_rows' tokens
         self._work: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.fused_advance:
-            self.use_fused_advance(True)
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
         if self.cuda_graphs and n_slots > BUCKETS[-1]:
             from realtime.errors import ConfigError
@@ -141,6 +140,8 @@ class BatchDecoder:
         self._next_host = 0
         self._host_owner: list[StepResult | None] = [None, None]
         self._graph_idx: dict[tuple[int, str], tuple[int, ...]] = {}  # rows last copied into each graph's idx_buf
+        if self.fused_advance:
+            self._work = advance_work(cap, dev)
 
     @property
     def device(self) -> torch.device:
@@ -150,6 +151,9 @@ class BatchDecoder:
         """Pick a step's tokens and advance its slots in one launch (``advance_rows``), or by torch ops."""
         from realtime.kernels.sampling import advance_work
 
+        if bool(on) != self.fused_advance:  # (graphs captured the other way are captured again)
+            self._graphs.clear()
+            self._graph_idx.clear()
         self.fused_advance = bool(on)
         if on and self._work is None:
             self._work = advance_work(self._out.shape[0], self.device)
