@@ -10,7 +10,8 @@
 # COMMIT, OUT_DIR and the one results.tgz: see bench/h200_run.sh. PARTS (env) picks a subset,
 # e.g. PARTS="text csm" (default: csm tts text), to split the run over two calls when one would
 # pass the device's 10-minute limit. CSM_BATCHES (default "1 8 64") and CSM_TIMEOUT (300 s) trim the CSM part;
-# TEXT_SAMPLED=0 leaves the text part's sampled rows out.
+# TEXT_SAMPLED=0 leaves the text part's sampled rows out. Part "advance" (not in the default): the GPU tests of
+# REALTIME_TEXT_ADVANCE's one-launch token pick (kernels/sampling.advance_rows), then bench/text.py --advance-ab.
 # STACK=cuda runs the csm and text parts' engines with the CUDA C++ decode stack (REALTIME_STACK=csm or
 # text, REALTIME_STACK_KERNEL=cuda: one-row steps, so batch 1); the served tts part keeps the layer path
 # (the stack's persistent kernel would wait on the codec's kernels beside it).
@@ -42,6 +43,20 @@ for part in text csm; do
   best=$(python3 bench/stack_ab.py --best "$work/stack_ab_${part}_scan.json") && echo "$part runs at: $best" || best=""
   if [ $part = text ]; then text_env="$best"; else csm_env="$best"; fi
 done
+fi
+
+if [[ " $parts " == *" advance "* ]]; then  # REALTIME_TEXT_ADVANCE's GPU tests, then its A/B (torch ops, then one launch)
+echo "== advance_rows: GPU tests"
+timeout 200 python3 -m pytest -q -rs -s -m gpu tests/kernels/test_kernels.py -k advance_rows > "$work/advance_tests.log" 2>&1
+env $(stack_env text) timeout 200 python3 -m pytest -q -rs -m gpu tests/server/test_text_server.py tests/engines/test_llama.py \
+  -k "cuda_graph_step or same_run_after_run" >> "$work/advance_tests.log" 2>&1
+grep -E "passed|failed|error|FAILED|advance_rows V" "$work/advance_tests.log" | cut -c1-200
+echo "== advance_rows: text A/B, greedy then sampled (temperature 1)"
+env $(stack_env text) timeout 150 python3 bench/text.py --batches 1 8 128 --no-hf --advance-ab --profile \
+  --out "$work/text_advance_h200.json" > "$work/text_advance.log" 2>&1
+env $(stack_env text) timeout 90 python3 bench/text.py --batches 1 128 --no-hf --advance-ab --temperature 1.0 \
+  --out "$work/text_advance_sampled_h200.json" >> "$work/text_advance.log" 2>&1
+grep -E "^ours|same tokens|device-only" "$work/text_advance.log" | cut -c1-160
 fi
 
 if [[ " $parts " == *" csm "* ]]; then

@@ -212,8 +212,8 @@ def main() -> int:
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--profile", action="store_true", help="batch 1, graphed: device-only time and a kernel table")
     ap.add_argument("--advance-ab", action="store_true",
-                    help="CUDA: before each of our rows, a row with the token pick and slot bookkeeping as torch "
-                         "ops (impl suffix -torchpick), not advance_rows' one launch")
+                    help="CUDA: each of our rows with the token pick and slot bookkeeping in advance_rows' one launch "
+                         "(REALTIME_TEXT_ADVANCE=1), after a row with them as torch ops (impl suffix -torchpick)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "text.json"))
     args = ap.parse_args()
 
@@ -273,7 +273,7 @@ def main() -> int:
             for graphs, pipelined in modes:
                 impl = "ours-graph-pipelined" if pipelined else "ours-graph" if graphs else "ours-eager"
                 toks_ops = None
-                if args.advance_ab and device.type == "cuda":  # the torch ops first, then the default
+                if args.advance_ab and device.type == "cuda":  # the torch ops first, then advance_rows
                     tps, toks_ops = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context,
                                                       None, pipelined, advance=False)
                     results["rows"].append({"impl": impl + "-torchpick", "batch": b, "tokens_per_s": tps,
@@ -281,7 +281,7 @@ def main() -> int:
                     log(f"{impl}-torchpick batch {b}: {tps:.0f} tok/s (the token pick and bookkeeping as torch ops)")
                 prof = {} if args.profile and b == 1 and not pipelined else None
                 tps, toks = ours_tokens_per_s(ours, b, args.prompt, steps, graphs, args.temperature, context, prof,
-                                              pipelined)
+                                              pipelined, advance=True if toks_ops is not None else None)
                 if toks_ops is not None:
                     log(f"{impl} batch {b}: the same tokens as the torch ops: {toks == toks_ops}")
                 results["rows"].append({"impl": impl, "batch": b,

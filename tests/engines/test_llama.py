@@ -226,7 +226,8 @@ def test_cuda_stack_served_decode_is_the_same_run_after_run(tmp_path: Path, monk
     """The served decode (BatchDecoder, graphed) on the CUDA stack at a Llama-3.2-1B layer's widths
     gives the same tokens run after run: 320 steps past a 200-token prompt (9 key splits by the
     end), greedy and seeded sampling, read each step and pipelined, and with the copy settings
-    that change no result turned off (no burst, no L2 prefetches). A race in the kernel's
+    that change no result turned off (no burst, no L2 prefetches), and with the step's tokens
+    and bookkeeping in one launch (advance_rows: bf16 logits read as they leave the kernel). A race in the kernel's
     hand-overs would show as a token that differs somewhere (the seventeenth session saw one
     unexplained mismatch in an A/B of a setting since dropped)."""
     from realtime.kernels import decode_stack_cuda as dsc
@@ -237,8 +238,9 @@ def test_cuda_stack_served_decode_is_the_same_run_after_run(tmp_path: Path, monk
     prompt = torch.randint(3, 3000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     steps = 320
 
-    def run(temperature: float, pipelined: bool) -> list[int]:
+    def run(temperature: float, pipelined: bool, advance: bool = False) -> list[int]:
         dec = BatchDecoder(m, 1, 200 + steps + 8, cuda_graphs=True)
+        dec.use_fused_advance(advance)  # (the step's tokens and bookkeeping in one launch, or torch ops)
         dec.start(0, prompt, temperature, 0, 1.0, seed=11)
         greedy = temperature <= 0
         if not pipelined:
@@ -258,6 +260,8 @@ def test_cuda_stack_served_decode_is_the_same_run_after_run(tmp_path: Path, monk
         assert run(temperature, True) == want
         assert run(temperature, False) == want
         assert run(temperature, True) == want
+        assert run(temperature, True, advance=True) == want
+        assert run(temperature, False, advance=True) == want
         monkeypatch.setattr(dsc, "BURST", 0)
         monkeypatch.setattr(dsc, "L2_AHEAD", 0)
         assert run(temperature, True) == want

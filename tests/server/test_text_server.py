@@ -417,10 +417,10 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (12, 30, 7, 19)]
     runs = []
-    # (the torch ops' token pick and bookkeeping, eager, then the one-launch advance_rows: the default)
+    # (the torch ops' token pick and bookkeeping, eager, then the one-launch advance_rows)
     for graphs, pipelined, fused in ((False, False, False), (False, False, True), (True, False, True), (True, True, True)):
         dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
-        assert dec.cuda_graphs is graphs and dec.fused_advance
+        assert dec.cuda_graphs is graphs
         dec.use_fused_advance(fused)
         out: dict[int, list[int]] = {s: [] for s in range(4)}
         for s, ids in enumerate(prompts):
@@ -450,11 +450,12 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
     assert runs[0] == runs[1] == runs[2] == runs[3]
     # rows without top-k/top-p: the graphed unsorted sampler gives the eager filtering path's tokens
     plain = []
-    for graphs, filtered in ((False, True), (True, False)):
+    for graphs, filtered, fused in ((False, True, False), (True, False, False), (True, False, True)):
         dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
+        dec.use_fused_advance(fused)
         out = {s: [dec.start(s, ids, 0.9 if s % 2 else 0.0, 0, 1.0, seed=200 + s)] for s, ids in enumerate(prompts)}
         for _ in range(12):
             for s, t in zip(range(4), dec.step([0, 1, 2, 3], greedy=False, filtered=filtered)):
                 out[s].append(t)
         plain.append(out)
-    assert plain[0] == plain[1]
+    assert plain[0] == plain[1] == plain[2]
