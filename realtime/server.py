@@ -170,13 +170,13 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
     async def metrics(request: Request) -> Response:
         state = st(request)
         if not authorized(config, request.headers, request.query_params):
-            return JSONResponse({"error": {"code": "unauthorized", "message": "missing or bad API key"}}, 401)
+            return http_error(AuthError("missing or bad API key"), 401)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def models(request: Request) -> Response:
         state = st(request)
         if not authorized(config, request.headers, request.query_params):
-            return JSONResponse({"error": {"code": "unauthorized", "message": "missing or bad API key"}}, 401)
+            return http_error(AuthError("missing or bad API key"), 401)
         data = [state.tts.describe()] + [d for svc in state.services.values() for d in svc.describe()]
         return JSONResponse({"object": "list", "data": data})
 
@@ -307,5 +307,12 @@ def _wav_header(rate: int) -> bytes:
             struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFFF))
 
 
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 503: "overloaded_error"}
+
+
 def http_error(exc: RealtimeError, status: int) -> Response:
-    return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, status_code=status)
+    """An HTTP endpoint's error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, which
+    its SDKs read (``code``: ours, e.g. "unsupported"; ``type`` from the status)."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": None, "code": exc.code}},
+                        status_code=status)

@@ -882,18 +882,18 @@ async def chat_completions(svc: TextService, state: "AppState", request: Any) ->
     from starlette.responses import JSONResponse, StreamingResponse
 
     from realtime.errors import AuthError
-    from realtime.server import authorized, json_body
+    from realtime.server import authorized, http_error, json_body
 
     if not authorized(state.config, request.headers, request.query_params):
-        return _oa_error(AuthError("missing or bad API key"), 401)
+        return http_error(AuthError("missing or bad API key"), 401)
     try:
         body = await json_body(request, state.config.max_frame_bytes)
         req = tp.parse_chat_completion(body)
         job = svc.submit(req.request)
     except OverloadedError as exc:
-        return _oa_error(exc, 503)
+        return http_error(exc, 503)
     except RealtimeError as exc:
-        return _oa_error(exc, 400)
+        return http_error(exc, 400)
     state.metrics.streams.inc()
     cid = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
@@ -903,7 +903,7 @@ async def chat_completions(svc: TextService, state: "AppState", request: Any) ->
         try:
             done = await job.result(svc.wake)
         except RealtimeError as exc:
-            return _oa_error(exc, 500 if isinstance(exc, InternalError) else 400)
+            return http_error(exc, 500 if isinstance(exc, InternalError) else 400)
         finally:
             if job.active:
                 svc.cancel(job)
@@ -929,16 +929,6 @@ async def chat_completions(svc: TextService, state: "AppState", request: Any) ->
                 svc.cancel(job)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _oa_error(exc: RealtimeError, status: int) -> Any:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    from starlette.responses import JSONResponse
-
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 503: "overloaded_error"}
-    kind = kinds.get(status, "server_error")
-    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": None, "code": exc.code}},
-                        status_code=status)
 
 
 # ---- CLI: realtime chat --------------------------------------------------------------------------

@@ -206,6 +206,9 @@ async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
         assert np.abs(pcm).max() > 1000
         r = await client.post("/v1/audio/speech", json={"input": "x", "response_format": "mp3"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+        # OpenAI's error shape, as its SDKs read it
+        assert r.json()["error"]["type"] == "invalid_request_error" and "mp3" in r.json()["error"]["message"]
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         r = await client.post("/v1/audio/speech", content=b"not json")
         assert r.status_code == 400
         r = await client.post("/v1/audio/speech", json={"input": ""})
@@ -242,7 +245,8 @@ async def test_api_key(piper_backend) -> None:  # noqa: ANN001
             async with websockets.connect(f"{srv.ws}/v1/tts?token=wrong"):
                 pass
         async with httpx.AsyncClient(base_url=srv.http) as client:
-            assert (await client.get("/metrics")).status_code == 401
+            r = await client.get("/metrics")
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             r = await client.get("/metrics", headers={"Authorization": "Bearer sekrit"})
             assert r.status_code == 200
             assert (await client.get("/health")).status_code == 200  # probes stay open
