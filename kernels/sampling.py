@@ -46,7 +46,7 @@ def sample_ref(logits: Tensor, temperature: Tensor, top_k: Tensor, seeds: Tensor
 @functools.cache
 def _kernels():
     # The jit'd functions resolve `tl`, `libdevice` and the helper through module globals.
-    global triton, tl, libdevice, _hash32, _row_key, _row_temp, _row_setup, _radix_digit, _gumbel, _pdl_enter
+    global triton, tl, libdevice, _hash32, _row_key, _row_temp, _row_setup, _radix_digit, _gumbel, _chunk_best, _pdl_enter
     import triton
     import triton.language as tl
     _pdl_enter = pdl_jit()
@@ -108,6 +108,25 @@ def _kernels():
         if LIBDEVICE_LOG:
             return -libdevice.log(-libdevice.log(u))
         return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _chunk_best(logits_ptr, row, stride_l, chunk, V, temp_ptr, seed_ptr, step_ptr, prow,
+                    SAMPLED: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE_LOG: tl.constexpr):
+        # Chunk `chunk` of logits row `row` -> (its largest score, the first vocab index holding it);
+        # the score is the logit, or with SAMPLED the logit / temperature + Gumbel noise of the
+        # per-row parameters at index prow (a greedy row: the logit), as _gumbel_chunk_kernel's
+        # (which keeps its own copy of these lines, the served default on CUDA, until a GPU has run
+        # this helper)
+        idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+        valid = idx < V
+        x = tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0).to(tl.float32)
+        if SAMPLED:
+            temp, greedy = _row_temp(temp_ptr, prow)  # (no top-k here)
+            key = _row_key(seed_ptr, step_ptr, prow)
+            x = tl.math.div_rn(x, temp)
+            x = tl.where(greedy, x, x + _gumbel(key, idx, LIBDEVICE_LOG))
+        val = tl.where(valid, x, float("-inf"))
+        return tl.max(val, 0), tl.argmax(val, 0).to(tl.int64) + chunk * BLOCK_V
 
     @triton.jit
     def _sample_kernel(
@@ -396,17 +415,9 @@ def _advance_kernel():
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         slot = tl.load(idx_ptr + row)
-        idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-        valid = idx < V
-        x = tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0).to(tl.float32)
-        if SAMPLED:  # as gumbel_argmax's chunks: the same division and noise
-            temp, greedy = _row_temp(temp_ptr, slot)
-            key = _row_key(seed_ptr, step_ptr, slot)
-            x = tl.math.div_rn(x, temp)
-            x = tl.where(greedy, x, x + _gumbel(key, idx, LIBDEVICE_LOG))
-        val = tl.where(valid, x, float("-inf"))
-        best = tl.max(val, 0)
-        first = tl.argmax(val, 0).to(tl.int64) + chunk * BLOCK_V  # (the chunk's first index of it)
+        # (as gumbel_argmax's chunks, with the slot's temperature, seed and step)
+        best, first = _chunk_best(logits_ptr, row, stride_l, chunk, V, temp_ptr, seed_ptr, step_ptr, slot,
+                                  SAMPLED, BLOCK_V, LIBDEVICE_LOG)
         best = tl.where(best == 0.0, 0.0, best)  # -0.0 ties +0.0, as argmax has it
         bits = best.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed int32 order
