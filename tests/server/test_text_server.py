@@ -289,6 +289,8 @@ def test_python_api_models_and_ttft_metric(live) -> None:  # noqa: ANN001
     assert sum(e.tokens for e in events[:-1]) <= events[-1].completion_tokens
     models = httpx.get(f"{live.http}/v1/models", timeout=10).json()["data"]
     assert any(m["kind"] == "text" and m["context_tokens"] == 256 for m in models)
+    for m in models:  # OpenAI's model object fields on every entry (TTS, ASR, text, agent)
+        assert m["object"] == "model" and isinstance(m["created"], int) and m["owned_by"] and m["id"], m
     metrics = httpx.get(f"{live.http}/metrics", timeout=10).text
     count = [ln for ln in metrics.splitlines() if ln.startswith("realtime_text_ttft_seconds_count")]
     assert count and float(count[0].split()[1]) >= 1
