@@ -248,7 +248,8 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
     ]
     for svc in svcs:
         routes.extend(svc.routes(lambda: holder["state"]))
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={404: _not_found, 405: _method_not_allowed})
 
 
 async def run_websocket(state: AppState, ws: WebSocket,
@@ -310,7 +311,26 @@ def _wav_header(rate: int) -> bytes:
             struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFFF))
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 503: "overloaded_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 503: "overloaded_error"}
+# The endpoints a server serves only with a model loaded, and what loads it (for a 404's message)
+_OPTIONAL = {"/v1/images/generations": "--image-model", "/v1/image": "--image-model", "/v1/video": "--video-model",
+             "/v1/audio/transcriptions": "speech recognition (no --no-asr)", "/v1/asr": "speech recognition (no --no-asr)",
+             "/v1/chat/completions": "text generation (no --no-text)", "/v1/text": "text generation (no --no-text)",
+             "/v1/realtime": "speech recognition and text generation",
+             "/v1/telephony/twilio": "speech recognition and text generation"}
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    """An unknown HTTP path: OpenAI's error shape, saying what serves the path where it is optional."""
+    need = _OPTIONAL.get(request.url.path)
+    msg = (f"{request.url.path} is not served here: this server was started without {need}" if need
+           else f"no endpoint {request.method} {request.url.path}")
+    return http_error(ProtocolError(msg, code="not_found"), 404)
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    return http_error(ProtocolError(f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"), 405)
 
 
 def http_error(exc: RealtimeError, status: int) -> Response:

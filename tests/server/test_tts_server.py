@@ -209,6 +209,13 @@ async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
         # OpenAI's error shape, as its SDKs read it
         assert r.json()["error"]["type"] == "invalid_request_error" and "mp3" in r.json()["error"]["message"]
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        # an endpoint this server was started without, an unknown one, a wrong method: the same shape
+        r = await client.post("/v1/images/generations", json={"prompt": "3"})
+        assert r.status_code == 404 and "--image-model" in r.json()["error"]["message"]
+        r = await client.get("/v1/nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        r = await client.get("/v1/audio/speech")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
         r = await client.post("/v1/audio/speech", content=b"not json")
         assert r.status_code == 400
         r = await client.post("/v1/audio/speech", json={"input": ""})
