@@ -539,8 +539,7 @@ class AgentSession:
             return
         if self.text.free_slots() < PREEMPT_FREE_SLOTS:
             return  # a guess must not hold the slot that another caller's real reply needs
-        asr_sil = getattr(self.asr.cfg, "min_silence_ms", 500)
-        if cfg.silence_duration_ms > asr_sil:
+        if cfg.silence_duration_ms > self._asr_silence_ms():
             return  # the turn ends later than the VAD says: a preemptive reply would wait anyway
         if self._spec is not None:
             if _same_words(self._spec.user_text, text):
@@ -604,9 +603,13 @@ class AgentSession:
             r.tracker.on_chunk(now, ev.duration_ms / 1000.0)
         self.emit(ev)
 
+    def _asr_silence_ms(self) -> int:
+        """The silence after which the ASR's VAD ends an utterance (its final)."""
+        return getattr(self.asr.cfg, "min_silence_ms", 500)
+
     def _extra_silence_s(self, now: float) -> float:
         """silence_duration_ms above the ASR VAD's own silence: wait the rest before replying."""
-        asr_sil = getattr(self.asr.cfg, "min_silence_ms", 500)
+        asr_sil = self._asr_silence_ms()
         extra = (self.cfg.silence_duration_ms - asr_sil) / 1000.0
         if extra <= 0 or self._speech_end_t is None:
             return 0.0

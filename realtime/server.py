@@ -179,8 +179,8 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
         if not authorized(config, request.headers, request.query_params):
             return http_error(AuthError("missing or bad API key"), 401)
         data = [state.tts.describe()] + [d for svc in state.services.values() for d in svc.describe()]
-        # OpenAI's model fields first (its SDKs read id, object, created and owned_by), then ours
-        data = [{"id": d["id"], "object": "model", "created": state.created, "owned_by": "realtime", **d} for d in data]
+        # OpenAI's model object (its SDKs read id, object, created and owned_by; each describe() has the first two)
+        data = [{**d, "created": state.created, "owned_by": "realtime"} for d in data]
         return JSONResponse({"object": "list", "data": data})
 
     async def tts_ws(ws: WebSocket) -> None:

@@ -121,15 +121,8 @@ class BatchDecoder:
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
-        # With REALTIME_TEXT_ADVANCE=1 (on CUDA, the kernels on), a greedy or temperature-only
-        # step's tokens and its slots' tok / pos / step_no come from one launch (advance_rows), not
-        # a dozen torch ops; tests set it on the CPU (TRITON_INTERPRET=1) to compare the two.
-        from realtime.engines.transformer import use_kernels
-        from realtime.kernels.sampling import advance_work
-
-        self.fused_advance = dev.type == "cuda" and use_kernels() and _ADVANCE
-        cap = max(BUCKETS[-1], n)
-        self._out = torch.zeros(cap, dtype=torch.long, device=dev)  # advance_rows' tokens
+        self.fused_advance = False  # see use_fused_advance, set below
+        self._out: torch.Tensor | None = None  # advance_rows' tokens and scratch, made on first use
         self._work: tuple[torch.Tensor, torch.Tensor] | None = None
         self.cuda_graphs = bool(cuda_graphs) and dev.type == "cuda"
         if self.cuda_graphs and n_slots > BUCKETS[-1]:
@@ -144,8 +137,12 @@ class BatchDecoder:
         self._next_host = 0
         self._host_owner: list[StepResult | None] = [None, None]
         self._graph_idx: dict[tuple[int, str], tuple[int, ...]] = {}  # rows last copied into each graph's idx_buf
-        if self.fused_advance:
-            self._work = advance_work(cap, dev)
+        # With REALTIME_TEXT_ADVANCE=1 (on CUDA, the kernels on), a greedy or temperature-only
+        # step's tokens and its slots' tok / pos / step_no come from one launch (advance_rows), not
+        # a dozen torch ops; tests set it on the CPU (TRITON_INTERPRET=1) to compare the two.
+        from realtime.engines.transformer import use_kernels
+
+        self.use_fused_advance(dev.type == "cuda" and use_kernels() and _ADVANCE)
 
     @property
     def device(self) -> torch.device:
@@ -160,7 +157,13 @@ class BatchDecoder:
             self._graph_idx.clear()
         self.fused_advance = bool(on)
         if on and self._work is None:
-            self._work = advance_work(self._out.shape[0], self.device)
+            rows = max(BUCKETS[-1], self.n_slots + 1)
+            self._out = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self._work = advance_work(rows, self.device)
+
+    def _advances(self, mode: str) -> bool:
+        """Whether a step of ``mode`` ends in advance_rows (its tokens and the slots' bookkeeping)."""
+        return self.fused_advance and mode != "filter"
 
     @torch.inference_mode()
     def start(self, slot: int, ids: Sequence[int], temperature: float, top_k: int, top_p: float, seed: int) -> int:
@@ -212,7 +215,7 @@ class BatchDecoder:
         from realtime.engines.transformer import use_kernels
 
         pos = self.pos[idx]
-        fused = self.fused_advance and mode != "filter"
+        fused = self._advances(mode)
         logits = self.model.decode_step(self.cache, idx, self.tok[idx], pos, float32=not fused)
         if fused:  # the tokens and the slots' tok / pos / step_no in one launch (kernels/sampling.py)
             from realtime.kernels.sampling import advance_rows
@@ -320,7 +323,7 @@ class BatchDecoder:
 
         def step() -> torch.Tensor:
             out = self._eager(idx_buf, mode)
-            if not (self.fused_advance and mode != "filter"):  # (advance_rows puts the scratch slot back itself)
+            if not self._advances(mode):  # (advance_rows puts the scratch slot back itself)
                 self._reset_scratch()
             return out
 
@@ -705,7 +708,7 @@ class TextService(Service):
     def describe(self) -> list[dict[str, Any]]:
         if self.model is None or self.engine is None:
             return []
-        return [{"id": self.model.name, "object": "model", "kind": "text", "owned_by": "realtime",
+        return [{"id": self.model.name, "object": "model", "kind": "text",
                  "context_tokens": self.engine.max_seq_len, "slots": self.engine.n_slots}]
 
     @property
