@@ -11,7 +11,7 @@
 # e.g. PARTS="text csm" (default: csm tts text), to split the run over two calls when one would
 # pass the device's 10-minute limit. CSM_BATCHES (default "1 8 64") and CSM_TIMEOUT (300 s) trim the CSM part;
 # TEXT_SAMPLED=0 leaves the text part's sampled rows out. Part "advance" (not in the default): the GPU tests of
-# REALTIME_TEXT_ADVANCE's one-launch token pick (kernels/sampling.advance_rows), then bench/text.py --advance-ab.
+# the one-launch token pick (on by default; REALTIME_TEXT_ADVANCE=0 turns it off) (kernels/sampling.advance_rows), then bench/text.py --advance-ab.
 # STACK=cuda runs the csm and text parts' engines with the CUDA C++ decode stack (REALTIME_STACK=csm or
 # text, REALTIME_STACK_KERNEL=cuda: one-row steps, so batch 1); the served tts part keeps the layer path
 # (the stack's persistent kernel would wait on the codec's kernels beside it).
@@ -45,7 +45,7 @@ for part in text csm; do
 done
 fi
 
-if [[ " $parts " == *" advance "* ]]; then  # REALTIME_TEXT_ADVANCE's GPU tests, then its A/B (torch ops, then one launch)
+if [[ " $parts " == *" advance "* ]]; then  # advance_rows GPU tests, then its A/B (torch ops, then one launch)
 echo "== advance_rows: GPU tests"
 timeout 200 python3 -m pytest -q -rs -s -m gpu tests/kernels/test_kernels.py -k advance_rows > "$work/advance_tests.log" 2>&1
 env $(stack_env text) timeout 200 python3 -m pytest -q -rs -m gpu tests/server/test_text_server.py tests/engines/test_llama.py \

@@ -114,9 +114,8 @@ def _kernels():
                     SAMPLED: tl.constexpr, BLOCK_V: tl.constexpr, LIBDEVICE_LOG: tl.constexpr):
         # Chunk `chunk` of logits row `row` -> (its largest score, the first vocab index holding it);
         # the score is the logit, or with SAMPLED the logit / temperature + Gumbel noise of the
-        # per-row parameters at index prow (a greedy row: the logit), as _gumbel_chunk_kernel's
-        # (which keeps its own copy of these lines, the served default on CUDA, until a GPU has run
-        # this helper)
+        # per-row parameters at index prow (a greedy row: the logit); gumbel_argmax's and
+        # advance_rows' chunks
         idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
         valid = idx < V
         x = tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0).to(tl.float32)
@@ -290,7 +289,7 @@ def gumbel_argmax_ref(logits: Tensor, temperature: Tensor, seeds: Tensor, steps:
 
 @functools.cache
 def _chunk_kernel():
-    _kernels()  # the shared jit helpers (_row_temp, _row_key, _gumbel, _pdl_enter) into the module globals
+    _kernels()  # the shared jit helpers (_chunk_best, _pdl_enter) into the module globals
 
     @triton.jit
     def _gumbel_chunk_kernel(
@@ -310,15 +309,10 @@ def _chunk_kernel():
         _pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
-        temp, greedy = _row_temp(temp_ptr, row)  # (no top-k here)
-        key = _row_key(seed_ptr, step_ptr, row)
-        idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-        valid = idx < V
-        x = tl.math.div_rn(tl.load(logits_ptr + row * stride_l + idx, mask=valid, other=0.0).to(tl.float32), temp)
-        val = tl.where(greedy, x, x + _gumbel(key, idx, LIBDEVICE_LOG))
-        val = tl.where(valid, val, float("-inf"))
-        tl.store(val_ptr + row * C + chunk, tl.max(val, 0))
-        tl.store(idx_ptr + row * C + chunk, tl.argmax(val, 0).to(tl.int64) + chunk * BLOCK_V)
+        best, first = _chunk_best(logits_ptr, row, stride_l, chunk, V, temp_ptr, seed_ptr, step_ptr, row,
+                                  True, BLOCK_V, LIBDEVICE_LOG)
+        tl.store(val_ptr + row * C + chunk, best)
+        tl.store(idx_ptr + row * C + chunk, first)
 
     return _gumbel_chunk_kernel
 

@@ -56,10 +56,9 @@ TOKEN_SLACK_S = 0.2  # a reader needs the next token within this; speech due soo
 MIN_ROOM = 4  # output channel items kept free before a decode step (back-pressure)
 MAX_QUEUED_PER_SLOT = 4  # requests waiting for a slot, per slot, before submit refuses
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# REALTIME_TEXT_ADVANCE=1: a CUDA step picks its tokens and advances its slots in one launch
-# (kernels/sampling.advance_rows), not by torch ops; the same tokens either way. Off by default
-# until a GPU has run its tests (it has run only under the Triton interpreter on the CPU).
-_ADVANCE = os.environ.get("REALTIME_TEXT_ADVANCE", "0") == "1"
+# A CUDA step picks its tokens and advances its slots in one launch (kernels/sampling.advance_rows),
+# not by torch ops; the same tokens either way. REALTIME_TEXT_ADVANCE=0 keeps the torch ops.
+_ADVANCE = os.environ.get("REALTIME_TEXT_ADVANCE", "1") != "0"
 # CPU prefill runs on a grid of chunks of this many positions (see BatchDecoder): a prompt prefix a
 # slot holds is reused in whole chunks. 32 rows a pass cost ~25 % more a token than one pass over a
 # 500-token prompt (2-core VM), and a reused turn saves all of its history's chunks.
@@ -137,7 +136,7 @@ class BatchDecoder:
         self._next_host = 0
         self._host_owner: list[StepResult | None] = [None, None]
         self._graph_idx: dict[tuple[int, str], tuple[int, ...]] = {}  # rows last copied into each graph's idx_buf
-        # With REALTIME_TEXT_ADVANCE=1 (on CUDA, the kernels on), a greedy or temperature-only
+        # On CUDA with the kernels on (REALTIME_TEXT_ADVANCE=0 turns it off), a greedy or temperature-only
         # step's tokens and its slots' tok / pos / step_no come from one launch (advance_rows), not
         # a dozen torch ops; tests set it on the CPU (TRITON_INTERPRET=1) to compare the two.
         from realtime.engines.transformer import use_kernels
