@@ -90,7 +90,8 @@ class BatchDecoder:
     """A static KV cache of ``n_slots`` (+1 scratch slot) and the batched prefill/decode/sample.
 
     Device state per slot s: tok[s] (last sampled token, not yet in the cache), pos[s] (where it
-    goes), step[s] (its index in the reply: the RNG counter), temp/top_k/top_p/seed[s].
+    goes), step[s] (its index in the reply: the RNG counter), temp/top_k/top_p/seed[s], and for
+    OpenAI's penalties freq/pres[s] and counts[s] (how often each token came in the reply so far).
     """
 
     def __init__(self, model: "TextModel", n_slots: int, max_seq_len: int, cuda_graphs: bool = False) -> None:
@@ -120,6 +121,11 @@ class BatchDecoder:
         self.top_k = torch.zeros(n, dtype=torch.long, device=dev)
         self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(n, dtype=torch.long, device=dev)
+        self.freq = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.pres = torch.zeros(n, dtype=torch.float32, device=dev)
+        # [slots + 1, V] float32 (129 x 128,256: 66 MB on a GPU; 9 x 49,152: 1.8 MB for SmolLM2 on the
+        # CPU); counted only by "penalize" steps, the only ones that read it
+        self.counts = torch.zeros(n, model.vocab_size, dtype=torch.float32, device=dev)
         self.fused_advance = False  # see use_fused_advance, set below
         self._out: torch.Tensor | None = None  # advance_rows' tokens and scratch, made on first use
         self._work: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -162,13 +168,15 @@ class BatchDecoder:
 
     def _advances(self, mode: str) -> bool:
         """Whether a step of ``mode`` ends in advance_rows (its tokens and the slots' bookkeeping)."""
-        return self.fused_advance and mode != "filter"
+        return self.fused_advance and mode in ("greedy", "sample")
 
     @torch.inference_mode()
-    def start(self, slot: int, ids: Sequence[int], temperature: float, top_k: int, top_p: float, seed: int) -> int:
+    def start(self, slot: int, ids: Sequence[int], temperature: float, top_k: int, top_p: float, seed: int,
+              frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> int:
         """Prefill prompt ids [T] into ``slot`` and sample the reply's first token (returned). The
         slot is reset first, unless it holds K/V of a prefix of ``ids`` (``shared``, in whole
-        chunks): then only the chunks after it are run."""
+        chunks): then only the chunks after it are run. The penalties count the reply's tokens
+        (not the prompt's) in the steps that ask for them (``penalized``)."""
         assert 0 <= slot < self.n_slots and 0 < len(ids) <= self.max_seq_len
         from realtime.engines.sampling import sample
 
@@ -189,10 +197,15 @@ class BatchDecoder:
         self.top_k[slot] = int(top_k)
         self.top_p[slot] = float(top_p)
         self.seed[slot] = int(seed)
+        self.freq[slot] = float(frequency_penalty)
+        self.pres[slot] = float(presence_penalty)
         self.step_no[slot] = 0
         s = slice(slot, slot + 1)
         first = sample(logits[None], self.temp[s], self.top_k[s], self.top_p[s], self.seed[s], self.step_no[s])
         self.tok[s] = first
+        if frequency_penalty or presence_penalty:  # (the reply's first token: nothing to penalise yet)
+            self.counts[slot].zero_()
+            self.counts[slot, first] = 1.0
         self.pos[slot] = len(ids)
         self.step_no[slot] = 1
         return int(first.item())  # one read per new request
@@ -222,6 +235,9 @@ class BatchDecoder:
             sampled = dict(temperature=self.temp, seeds=self.seed) if mode == "sample" else {}
             return advance_rows(logits, idx, self.tok, self.pos, self.step_no, self._out, self.scratch,
                                 work=self._work, **sampled)
+        if mode == "penalize":  # OpenAI's: logit - frequency * count - presence * (count > 0), then sample
+            c = self.counts[idx]
+            logits = logits - self.freq[idx, None] * c - self.pres[idx, None] * (c > 0).to(c.dtype)
         if mode == "greedy":
             nxt = argmax(logits)
         elif mode == "sample" and logits.is_cuda and use_kernels():  # one Triton pass, chunked rows
@@ -230,34 +246,41 @@ class BatchDecoder:
             nxt = gumbel_argmax(logits, self.temp[idx], self.seed[idx], self.step_no[idx])
         else:
             nxt = sample(logits, self.temp[idx], self.top_k[idx], self.top_p[idx], self.seed[idx], self.step_no[idx],
-                         filtered=mode == "filter")
+                         filtered=mode in ("filter", "penalize"))
+        if mode == "penalize":  # (padding rows count into the scratch slot, whose penalties are 0)
+            self.counts.index_put_((idx, nxt), torch.ones_like(nxt, dtype=self.counts.dtype), accumulate=True)
         self.tok[idx] = nxt
         self.pos[idx] = pos + 1
         self.step_no[idx] = self.step_no[idx] + 1
         return nxt
 
     @torch.inference_mode()
-    def step(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True) -> list[int]:
+    def step(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True,
+             penalized: bool = False) -> list[int]:
         """One token for each slot in ``slots`` (each at its own position) → the sampled ids.
 
         ``greedy``: every row has temperature 0 (argmax only; the host knows this, the device need
-        not branch). ``filtered=False``: no row uses top-k or top-p (no vocabulary sort). The caller
-        keeps every pos < max_seq_len.
+        not branch). ``filtered=False``: no row uses top-k or top-p (no vocabulary sort).
+        ``penalized``: some row has a frequency or presence penalty (then the step applies and
+        counts them for every row, greedy or not). The caller keeps every pos < max_seq_len.
         """
-        return self.launch(slots, greedy, filtered).result()
+        return self.launch(slots, greedy, filtered, penalized).result()
 
     @staticmethod
-    def _mode(greedy: bool, filtered: bool) -> str:
+    def _mode(greedy: bool, filtered: bool, penalized: bool = False) -> str:
+        if penalized:
+            return "penalize"
         return "greedy" if greedy else "filter" if filtered else "sample"
 
     @torch.inference_mode()
-    def launch(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True) -> StepResult:
+    def launch(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True,
+               penalized: bool = False) -> StepResult:
         """``step`` without the wait: the step is queued, its tokens come from ``.result()``. Each
         slot's next input token stays on the device, so the next step may be launched first and the
         host's work (reading, detokenising) overlaps the GPU's."""
         if not slots:
             return StepResult([])
-        mode = self._mode(greedy, filtered)
+        mode = self._mode(greedy, filtered, penalized)
         if self.cuda_graphs:
             return self._to_host(self._graphed(slots, mode), len(slots))
         key = tuple(slots)
@@ -342,7 +365,8 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every bucket up to n_slots (CUDA graphs only; warm-up)."""
+        """Capture every bucket up to n_slots (CUDA graphs only; warm-up). The "penalize" steps
+        are captured when a request first asks for a penalty."""
         if not self.cuda_graphs:
             return
         for size in BUCKETS:
@@ -561,7 +585,8 @@ class TextPrefillLane(Lane):
                     return  # every slot busy: the rest wait for a release
             p = job.params
             try:
-                tok = eng.start(job.slot, job.ids, p.temperature, p.top_k, p.top_p, job.seed)
+                tok = eng.start(job.slot, job.ids, p.temperature, p.top_k, p.top_p, job.seed,
+                                p.frequency_penalty, p.presence_penalty)
             except RealtimeError as exc:  # fail only this request
                 job.fail(exc)
                 continue
@@ -609,7 +634,8 @@ class TextDecodeLane(Lane):
             step.sort(key=lambda j: j.slot)  # a stable slot order keeps the device slot list cached
             greedy = all(j.params.temperature <= 0 for j in step)
             filtered = any(j.params.filtered for j in step)
-            cur = (step, eng.launch([j.slot for j in step], greedy=greedy, filtered=filtered))
+            penalized = any(j.params.penalized for j in step)
+            cur = (step, eng.launch([j.slot for j in step], greedy=greedy, filtered=filtered, penalized=penalized))
         if self.pipelined:
             self._inflight, self._inflight_jobs = cur, frozenset(step)
         else:
@@ -1052,7 +1078,7 @@ def _local_turn(args: argparse.Namespace) -> Callable[[list, dict], tuple[str, d
         p = tp.parse_params(params)
         dec, parts = StreamDecoder(tok), []
         t0 = time.perf_counter()
-        t = eng.start(0, ids, p.temperature, p.top_k, p.top_p, p.seed or 0)
+        t = eng.start(0, ids, p.temperature, p.top_k, p.top_p, p.seed or 0, p.frequency_penalty, p.presence_penalty)
         ttft = (time.perf_counter() - t0) * 1000
         n, reason = 1, "length"
         limit = min(p.max_tokens or eng.max_seq_len, eng.max_seq_len - len(ids))
@@ -1065,7 +1091,7 @@ def _local_turn(args: argparse.Namespace) -> Callable[[list, dict], tuple[str, d
             print(s, end="", flush=True)
             if n >= limit:
                 break
-            t = eng.step([0], greedy=p.temperature <= 0, filtered=p.filtered)[0]
+            t = eng.step([0], greedy=p.temperature <= 0, filtered=p.filtered, penalized=p.penalized)[0]
             n += 1
         tail = dec.flush()
         parts.append(tail)

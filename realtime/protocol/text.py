@@ -44,11 +44,19 @@ class GenParams:
     top_k: int = 0  # 0: off
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None: the server picks one
+    # OpenAI's penalties on the reply's own tokens so far: logit -= frequency * count + presence * (count > 0)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     @property
     def filtered(self) -> bool:
         """Does top-k or top-p narrow the vocabulary (the sampler must sort it)?"""
         return self.top_k > 0 or self.top_p < 1.0
+
+    @property
+    def penalized(self) -> bool:
+        """Does a frequency or presence penalty change the logits?"""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -128,8 +136,37 @@ def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
+# OpenAI fields that would change what comes back and that this server does not do: refused, not
+# ignored (a client asking for them would otherwise get a reply it did not ask for)
+_UNSUPPORTED = {
+    "logprobs": "logprobs are not supported",
+    "top_logprobs": "logprobs are not supported",
+    "logit_bias": "'logit_bias' is not supported",
+    "audio": "audio output is not supported here: use /v1/audio/speech or /v1/tts",
+    "prediction": "predicted outputs are not supported",
+}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, why in _UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and v is not False and v != {} and v != 0:
+            raise _bad(why, "unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind != "text":
+            raise _bad("only response_format {'type': 'text'} is supported (no JSON mode)", "unsupported")
+    mods = body.get("modalities")
+    if mods is not None and mods != ["text"]:
+        raise _bad("only modalities ['text'] are supported", "unsupported")
+
+
 def parse_params(body: dict[str, Any], *, default_temperature: float = 1.0) -> GenParams:
-    """Validate sampling fields (same names as OpenAI; ``max_completion_tokens`` is an alias)."""
+    """Validate sampling fields (same names as OpenAI; ``max_completion_tokens`` is an alias).
+    Fields that would change the reply and that are not done here (logprobs, logit_bias, JSON
+    mode, audio output) are refused."""
+    _refuse_unsupported(body)
     max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
     alias = _int(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
     if max_tokens is None:
@@ -153,6 +190,8 @@ def parse_params(body: dict[str, Any], *, default_temperature: float = 1.0) -> G
         top_k=_int(body, "top_k", 0, 1_000_000) or 0,
         stop=stops,
         seed=seed,
+        frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
     )
 
 

@@ -368,6 +368,53 @@ def test_fused_advance_gives_the_torch_ops_tokens(live) -> None:  # noqa: ANN001
     assert runs[0][0][1] != runs[0][0][2]  # the sampled rows sampled
 
 
+def test_penalties_equal_a_plain_loop_and_leave_other_rows_alone(live) -> None:  # noqa: ANN001
+    """OpenAI's frequency and presence penalties (logit - f * count - p * (count > 0), over the
+    reply's own tokens) against a plain loop over the model's decode step with its own counts: a
+    penalised greedy row, an unpenalised greedy row and a penalised sampled row in the same steps."""
+    import torch
+
+    from realtime.engines.sampling import sample
+    from realtime.text_service import PREFIX_CHUNK, BatchDecoder
+
+    model, tok = live.svc.model, live.svc.tokenizer
+    n = 4
+    ids = [tok.encode("The cat and the dog and the")] * n  # (greedy: " cat and the dog are all the same. ...")
+    rows = [(0.0, 1.5, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, -2.0), (0.9, 0.3, 1.5)]  # (temperature, frequency, presence)
+    steps = 20
+
+    dec = BatchDecoder(model, n, 128)
+    out = [[dec.start(s, ids[s], t, 0, 1.0, s, f, p)] for s, (t, f, p) in enumerate(rows)]
+    for _ in range(steps):
+        for s, t in enumerate(dec.step(list(range(n)), greedy=False, filtered=False, penalized=True)):
+            out[s].append(t)
+
+    # the loop: its own cache, the same prefill chunks and batch, the penalties and counts by hand
+    cache = model.new_cache(n, 128)
+    ref, counts, last = [[] for _ in rows], torch.zeros(n, model.vocab_size), []
+    with torch.inference_mode():
+        for s in range(n):
+            for at in range(0, len(ids[s]), PREFIX_CHUNK):
+                logits = model.prefill(cache, s, ids[s][at:at + PREFIX_CHUNK], start_pos=at)
+            last.append(logits)
+        logits = torch.stack(last)
+        for i in range(steps + 1):
+            temp = torch.tensor([r[0] for r in rows])
+            f, p = torch.tensor([r[1] for r in rows])[:, None], torch.tensor([r[2] for r in rows])[:, None]
+            pen = logits - f * counts - p * (counts > 0).float()
+            nxt = sample(pen, temp, torch.zeros(n, dtype=torch.long), torch.ones(n), torch.arange(n),
+                         torch.full((n,), i))
+            for s in range(n):
+                ref[s].append(int(nxt[s]))
+                counts[s, nxt[s]] += 1
+            pos = torch.tensor([len(ids[s]) + i for s in range(n)])
+            logits = model.decode_step(cache, torch.arange(n), nxt, pos)
+    assert out == ref
+    # the same prompt: each penalty changed the greedy reply; a negative presence penalty repeats more
+    assert out[0] != out[1] and out[2] != out[1]
+    assert max(out[2].count(t) for t in out[2]) > max(out[1].count(t) for t in out[1])
+
+
 def test_unfiltered_sampling_skips_the_sort_and_keeps_the_tokens(live) -> None:  # noqa: ANN001
     """Rows without top-k/top-p (the API default) are sampled without the vocabulary sort: the same
     tokens as the filtering path, greedy rows mixed in; the lane picks the mode from the requests."""
@@ -461,3 +508,17 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
                 out[s].append(t)
         plain.append(out)
     assert plain[0] == plain[1] == plain[2]
+    # penalised rows (a "penalize" step, captured on first use): graphed = eager, through a batch change
+    pen = []
+    for graphs in (False, True):
+        dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
+        rows = [(0.0, 1.5, 0.0), (0.9, 0.0, 0.0), (0.0, 0.0, -2.0), (0.9, 0.4, 1.0)]  # (temperature, freq, presence)
+        out = {s: [dec.start(s, ids, t, 0, 1.0, 300 + s, f, p)] for s, (ids, (t, f, p)) in enumerate(zip(prompts, rows))}
+        for step in range(16):
+            active = [0, 1, 2, 3] if step < 8 else [0, 3]
+            for s, t in zip(active, dec.step(active, greedy=False, filtered=False, penalized=True)):
+                out[s].append(t)
+        pen.append(out)
+        if graphs:
+            assert {k for k in dec._graphs if k[1] == "penalize"} == {(2, "penalize"), (4, "penalize")}
+    assert pen[0] == pen[1]
