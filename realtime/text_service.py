@@ -972,6 +972,8 @@ def add_cli(subparsers: Any) -> None:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--top-p", type=float, default=None)
     c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--frequency-penalty", type=float, default=None, help="-2..2: less of the reply's frequent tokens")
+    c.add_argument("--presence-penalty", type=float, default=None, help="-2..2: less of any token the reply used")
     c.add_argument("--api-key", default=None)
     c.add_argument("--generator-device", default="cpu")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -986,8 +988,9 @@ def _chat(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.top_p is not None:
         params["top_p"] = args.top_p
-    if args.seed is not None:
-        params["seed"] = args.seed
+    for name in ("seed", "frequency_penalty", "presence_penalty"):
+        if getattr(args, name) is not None:
+            params[name] = getattr(args, name)
     try:
         turn = _local_turn(args) if args.local else _remote_turn(args)
     except (RealtimeError, OSError) as exc:

@@ -86,6 +86,26 @@ def test_parse_request_and_params() -> None:
             tp.parse_request(body)
 
 
+def test_penalties_parse_and_unsupported_fields_are_refused() -> None:
+    p = tp.parse_params({"frequency_penalty": 0.5, "presence_penalty": -2})
+    assert (p.frequency_penalty, p.presence_penalty) == (0.5, -2.0) and p.penalized and not p.filtered
+    assert not tp.parse_params({"frequency_penalty": 0, "presence_penalty": None}).penalized
+    for body in ({"frequency_penalty": 2.5}, {"presence_penalty": "1"}, {"frequency_penalty": True}):
+        with pytest.raises(ProtocolError):
+            tp.parse_params(body)
+    # fields that would change the reply and are not done here: an error with its own code, not ignored
+    for body in ({"logprobs": True}, {"top_logprobs": 3}, {"logit_bias": {"50256": -100}},
+                 {"response_format": {"type": "json_object"}}, {"response_format": "json"},
+                 {"audio": {"voice": "alloy"}}, {"modalities": ["text", "audio"]},
+                 {"prediction": {"type": "content", "content": "x"}}):
+        with pytest.raises(ProtocolError) as exc:
+            tp.parse_params(body)
+        assert exc.value.code == "unsupported", body
+    # their off values pass (what SDKs send by default)
+    tp.parse_params({"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "response_format": {"type": "text"},
+                     "modalities": ["text"], "user": "u", "metadata": {}, "store": False})
+
+
 def test_parse_chat_completion() -> None:
     c = tp.parse_chat_completion({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
                                   "stream_options": {"include_usage": True}})

@@ -157,6 +157,21 @@ def test_seeded_sampling_is_reproducible(live) -> None:  # noqa: ANN001
     assert other[0] != a  # the seed matters
 
 
+def test_penalties_through_both_surfaces(live) -> None:  # noqa: ANN001
+    """frequency_penalty / presence_penalty from /v1/text and /v1/chat/completions: the same reply
+    twice, and not the unpenalised one (see the engine-level test for the arithmetic)."""
+    cat = {"prompt": "The cat and the dog and the", "temperature": 0, "max_tokens": 16}
+    url = f"{live.ws}/v1/text"
+    plain, penalised, again = (_run(_ws_request(url, {**cat, **pen}))[0]
+                               for pen in ({}, {"presence_penalty": -2.0}, {"presence_penalty": -2.0}))
+    assert penalised != plain and penalised == again, (plain, penalised)
+    chat = f"{live.http}/v1/chat/completions"
+    body = {"messages": PROMPTS[2], "temperature": 0, "max_tokens": 24}
+    replies = [httpx.post(chat, json={**body, **pen}, timeout=60).json()["choices"][0]["message"]["content"]
+               for pen in ({}, {"frequency_penalty": 1.5}, {"frequency_penalty": 1.5})]
+    assert replies[1] == replies[2] and replies[0] != replies[1], replies
+
+
 def test_stop_strings_and_max_tokens(live) -> None:  # noqa: ANN001
     url = f"{live.ws}/v1/text"
     text, done, _ = _run(_ws_request(url, {"messages": FRANCE, "temperature": 0, "stop": ["Paris"]}))
@@ -271,6 +286,9 @@ def test_bad_input_errors(live) -> None:  # noqa: ANN001
         assert r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(chat, content=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    for extra in ({"logprobs": True}, {"response_format": {"type": "json_object"}}, {"logit_bias": {"1": 5}}):
+        r = httpx.post(chat, json={"messages": FRANCE, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported", r.text
     assert live.state.scheduler.active == 0
 
 
@@ -309,6 +327,9 @@ def test_chat_cli_against_the_live_server(live) -> None:  # noqa: ANN001
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Paris" in r.stdout and r.stderr.count("tokens, ttft") == 2
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "chat", "-p", "What is the capital of France?",
+                        "--url", url, "--presence-penalty", "5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "presence_penalty" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "realtime.cli", "chat", "-p", "hi", "--url", "ws://127.0.0.1:9/v1/text"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr
