@@ -25,6 +25,8 @@ from starlette.websockets import WebSocket
 from realtime.config import ServerConfig
 from realtime.errors import AuthError, ProtocolError, RealtimeError, UnsupportedError
 from realtime.metrics import Gauge, Metrics
+from realtime.protocol.encoded import ENCODED, EncodedStream
+from realtime.protocol.encoded import check as check_encoded
 from realtime.protocol.tts import StartParams, parse_start
 from realtime.scheduler import Scheduler
 from realtime.service import Service
@@ -37,7 +39,8 @@ log = logging.getLogger("realtime.server")
 # official SDKs work unchanged.
 OPENAI_VOICES = frozenset("alloy ash ballad coral echo fable onyx nova sage shimmer verse".split())
 SPEECH_FORMATS = {"wav": ("pcm_s16le", "audio/wav"), "pcm": ("pcm_s16le", "audio/pcm"),
-                  "mulaw": ("mulaw", "audio/basic")}
+                  "mulaw": ("mulaw", "audio/basic"), "mp3": ("pcm_s16le", "audio/mpeg"),
+                  "opus": ("pcm_s16le", "audio/ogg"), "flac": ("pcm_s16le", "audio/flac")}
 
 
 @dataclass
@@ -193,6 +196,9 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
         try:
             body = await json_body(request, config.max_frame_bytes)
             params, text, media = _speech_params(body, state.tts)
+            fmt_name = body.get("response_format", "wav")
+            # mp3, opus, flac: the PCM through an encoder (realtime/protocol/encoded.py)
+            enc = EncodedStream(fmt_name, params.sample_rate) if fmt_name in ENCODED else None
             job = state.tts.new_job(params)
         except RealtimeError as exc:
             return http_error(exc, 400)
@@ -206,7 +212,6 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
         job.push_text(text)
         job.stop()
         state.scheduler.wake()
-        fmt_name = body.get("response_format", "wav")
 
         async def stream() -> AsyncIterator[bytes]:
             try:
@@ -216,16 +221,22 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
                     items = await job.output.drain(state.scheduler.wake)
                     for item in items:
                         if item is END:
+                            if enc is not None:
+                                yield enc.close()
                             return
                         if item is SPURT_END:
                             continue
                         assert isinstance(item, AudioChunk)
-                        yield item.data
+                        out = item.data if enc is None else enc.push(item.data)
+                        if out:
+                            yield out
                     if not job.active and not job.ended:
                         return  # failed or cancelled: end the body early
             finally:
                 if job.active:
                     state.scheduler.cancel(job)
+                if enc is not None:
+                    enc.close()  # (frees the encoder when the body ended early)
 
         return StreamingResponse(stream(), media_type=media)
 
@@ -292,13 +303,18 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
         raise ProtocolError("'input' must be a non-empty string", code="missing_field")
     fmt_name = body.get("response_format", "wav")
     if fmt_name not in SPEECH_FORMATS:
-        raise UnsupportedError(f"response_format '{str(fmt_name)[:20]}' is not supported; use wav, pcm or mulaw")
+        raise UnsupportedError(f"response_format '{str(fmt_name)[:20]}' is not supported; "
+                               "use wav, pcm, mulaw, mp3, opus or flac")
     fmt, media = SPEECH_FORMATS[fmt_name]
     voice = body.get("voice")
     if voice in OPENAI_VOICES:
         voice = None
-    rate = {"wav": tts.native_rate, "pcm": 24000, "mulaw": 8000}[fmt_name]
-    msg = {"type": "start", "format": fmt, "sample_rate": rate, "voice": voice, "speed": body.get("speed")}
+    rate = {"wav": tts.native_rate, "pcm": 24000, "mulaw": 8000, "mp3": 24000, "opus": 24000,
+            "flac": tts.native_rate}[fmt_name]
+    if fmt_name in ENCODED:
+        check_encoded(fmt_name, rate)
+    msg = {"type": "start", "format": fmt, "sample_rate": rate, "voice": voice, "speed": body.get("speed"),
+           "seed": body.get("seed")}  # (seed: ours, as /v1/tts's: the same audio for the same seed)
     params = parse_start(msg, tts.native_rate)
     if len(text) > 20_000:
         raise ProtocolError("'input' may hold at most 20000 characters", code="too_long")

@@ -204,10 +204,10 @@ async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
         assert got[:4] == b"RIFF" and len(got) > 44 + 22050  # > 0.5 s of 16-bit audio
         pcm = np.frombuffer(got[44:], dtype="<i2")
         assert np.abs(pcm).max() > 1000
-        r = await client.post("/v1/audio/speech", json={"input": "x", "response_format": "mp3"})
+        r = await client.post("/v1/audio/speech", json={"input": "x", "response_format": "aac"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
         # OpenAI's error shape, as its SDKs read it
-        assert r.json()["error"]["type"] == "invalid_request_error" and "mp3" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "invalid_request_error" and "aac" in r.json()["error"]["message"]
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         # an endpoint this server was started without, an unknown one, a wrong method: the same shape
         r = await client.post("/v1/images/generations", json={"prompt": "3"})
@@ -220,6 +220,49 @@ async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
         assert r.status_code == 400
         r = await client.post("/v1/audio/speech", json={"input": ""})
         assert r.status_code == 400
+
+
+async def test_speech_in_mp3_opus_and_flac(live) -> None:  # noqa: ANN001
+    """/v1/audio/speech's compressed formats, decoded again (one seed: the same voice run each time):
+    flac is the wav's samples exactly; mp3 and opus are the 24 kHz pcm's audio (after the mp3
+    encoder's delay), and mp3 arrives in parts before the reply ends."""
+    import io
+
+    import soundfile as sf
+
+    text = "Compressed speech for the browser."
+
+    async def fetch(client: httpx.AsyncClient, fmt: str) -> tuple[bytes, str, int]:
+        body = {"model": "tts-1", "input": text, "voice": "alloy", "response_format": fmt, "seed": 7}
+        got, parts = b"", 0
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for part in r.aiter_bytes():
+                got, parts = got + part, parts + 1
+        return got, r.headers["content-type"], parts
+
+    async with httpx.AsyncClient(base_url=live.http, timeout=60) as client:
+        wav = (await fetch(client, "wav"))[0]
+        pcm = np.frombuffer((await fetch(client, "pcm"))[0], dtype="<i2").astype(np.float64)
+        native = np.frombuffer(wav[44:], dtype="<i2")
+        flac, media, _ = await fetch(client, "flac")
+        assert media == "audio/flac" and flac[:4] == b"fLaC"
+        samples, rate = sf.read(io.BytesIO(flac), dtype="int16")
+        assert rate == live.state.tts.native_rate and np.array_equal(samples, native)  # lossless, the same voice run
+        for fmt, media_type, magic in (("mp3", "audio/mpeg", None), ("opus", "audio/ogg", b"OggS")):
+            data, media, parts = await fetch(client, fmt)
+            assert media == media_type and (magic is None or data[:4] == magic)
+            assert len(data) < len(pcm) * 2 / 4  # compressed (pcm: 2 bytes a sample)
+            if fmt == "mp3":
+                assert parts > 1  # streamed as encoded, not whole at the end
+            with sf.SoundFile(io.BytesIO(data)) as f:
+                assert f.samplerate == 24000
+                y = f.read(dtype="float64") * 32768
+            lag = max(range(0, 3000, 3), key=lambda s: float(np.dot(y[s:s + 12000], pcm[:12000])))
+            n = min(len(y) - lag, len(pcm))
+            assert n > len(pcm) - 3000
+            corr = float(np.corrcoef(y[lag:lag + n], pcm[:n])[0, 1])
+            assert corr > 0.9, (fmt, corr)
 
 
 async def test_concurrent_streams_have_no_long_gaps(live) -> None:  # noqa: ANN001
