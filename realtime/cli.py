@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -61,10 +62,23 @@ def _have(module: str) -> bool:
 CLI_MODULES = ("realtime.asr_service", "realtime.text_service", "realtime.agent_service", "realtime.image_service")
 
 
-def _write_wav(path: str, audio: np.ndarray, rate: int) -> None:
+# an output file's suffix -> (libsndfile format, subtype)
+AUDIO_SUFFIXES = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".mp3": ("MP3", "MPEG_LAYER_III"),
+                  ".ogg": ("OGG", "OPUS"), ".opus": ("OGG", "OPUS")}
+
+
+def _write_audio(path: str, audio: np.ndarray, rate: int) -> None:
+    """Write by the file's suffix: .wav / .flac (16-bit), .mp3, .ogg / .opus (Ogg Opus)."""
     import soundfile as sf
 
-    sf.write(path, audio, rate, subtype="PCM_16")
+    from realtime.protocol.encoded import OPUS_RATES
+
+    fmt = AUDIO_SUFFIXES.get(Path(path).suffix.lower())
+    if fmt is None:
+        raise ValueError(f"cannot write '{Path(path).suffix}': use {', '.join(AUDIO_SUFFIXES)}")
+    if fmt[1] == "OPUS" and rate not in OPUS_RATES:
+        raise ValueError(f"opus takes {', '.join(map(str, OPUS_RATES))} Hz; pass --sample-rate 24000")
+    sf.write(path, audio, rate, format=fmt[0], subtype=fmt[1])
 
 
 def _say(args: argparse.Namespace) -> int:
@@ -103,7 +117,11 @@ def _say(args: argparse.Namespace) -> int:
         except (ServerError, OSError) as exc:
             print(f"realtime say: {exc}", file=sys.stderr)
             return 1
-    _write_wav(args.output, audio, rate)
+    try:
+        _write_audio(args.output, audio, rate)
+    except (ValueError, OSError, RuntimeError) as exc:  # (soundfile's errors are RuntimeErrors)
+        print(f"realtime say: {exc}", file=sys.stderr)
+        return 2
     dur = len(audio) / rate
     extra = f", ttfa {stats['client_ttfa_ms']:.0f} ms" if stats.get("client_ttfa_ms") is not None else ""
     print(f"wrote {args.output}: {dur:.2f} s at {rate} Hz in {time.perf_counter() - t0:.2f} s{extra}")
@@ -150,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_devices(s)
     s.set_defaults(fn=_serve)
 
-    y = sub.add_parser("say", help="speak TEXT into a WAV file")
+    y = sub.add_parser("say", help="speak TEXT into an audio file (wav, flac, mp3, ogg)")
     y.add_argument("text", help="the text ('-' reads stdin)")
-    y.add_argument("-o", "--output", required=True)
+    y.add_argument("-o", "--output", required=True, help="a .wav, .flac, .mp3 or .ogg/.opus file (by its suffix)")
     y.add_argument("--url", default="ws://127.0.0.1:8000/v1/tts")
     y.add_argument("--api-key", default=None)
     y.add_argument("--local", action="store_true", help="synthesize in this process (no server)")

@@ -21,6 +21,15 @@ def test_say_through_server_and_local(piper_backend, tmp_path) -> None:  # noqa:
                             "-o", str(out), "--url", f"{live.ws}/v1/tts"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "ttfa" in r.stdout
+        mp3 = tmp_path / "hello.mp3"  # the format by the suffix; a suffix it cannot write is a clear error
+        r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hello there.", "-o", str(mp3),
+                            "--url", f"{live.ws}/v1/tts"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and mp3.read_bytes()[:2] in (b"ID", b"\xff\xfb", b"\xff\xf3"), r.stderr[-2000:]
+        with sf.SoundFile(mp3) as f:
+            assert f.samplerate == 24000 and f.format == "MP3" and f.frames > 12000
+        r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hi.", "-o", str(tmp_path / "x.aac"),
+                            "--url", f"{live.ws}/v1/tts"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and ".aac" in r.stderr and "Traceback" not in r.stderr
     audio, rate = sf.read(out)
     assert rate == 24000 and 1.0 < len(audio) / rate < 5.0
     assert np.sqrt(np.mean(audio ** 2)) > 0.02
