@@ -625,8 +625,9 @@ class ASRService(Service):
                 raise ProtocolError("multipart field 'file' (the audio) is required", code="missing_field")
             data = await upload.read()
             fmt = str(form.get("response_format") or "json")
-            if fmt not in ("json", "text", "verbose_json"):
-                raise UnsupportedError(f"response_format '{fmt[:20]}' is not supported; use json, text or verbose_json")
+            if fmt not in TRANSCRIPTION_FORMATS:
+                raise UnsupportedError(f"response_format '{fmt[:20]}' is not supported; use "
+                                       f"{', '.join(TRANSCRIPTION_FORMATS)}")
             lang = form.get("language")
             params = parse_start({"type": "start", "language": lang or None}, self.languages)
             audio = decode_audio_file(data, self.cfg.max_file_s)
@@ -661,20 +662,42 @@ class ASRService(Service):
             return PlainTextResponse(text + "\n")
         if fmt == "json":
             return JSONResponse({"text": text})
+        if fmt in ("srt", "vtt"):
+            return PlainTextResponse(subtitles(finals, fmt), media_type="text/vtt" if fmt == "vtt" else "text/plain")
         segs = [{"id": i, "start": f["start_ms"] / 1000, "end": f["end_ms"] / 1000, "text": f["text"]}
                 for i, f in enumerate(finals)]
         return JSONResponse({"task": "transcribe", "language": params.language or "en",
                              "duration": round(len(audio) / RATE, 3), "text": text, "segments": segs})
 
 
+TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+
+
+def subtitles(finals: list[dict[str, Any]], fmt: str) -> str:
+    """The final segments as SubRip (``srt``: numbered cues, ``00:00:01,500``) or WebVTT (``vtt``:
+    a ``WEBVTT`` header, ``00:00:01.500``)."""
+
+    def stamp(ms: int) -> str:
+        h, rest = divmod(max(int(ms), 0), 3_600_000)
+        m, rest = divmod(rest, 60_000)
+        sec, milli = divmod(rest, 1000)
+        return f"{h:02d}:{m:02d}:{sec:02d}{',' if fmt == 'srt' else '.'}{milli:03d}"
+
+    cues = []
+    for i, f in enumerate(finals, 1):
+        timing = f"{stamp(f['start_ms'])} --> {stamp(f['end_ms'])}"
+        cues.append(f"{i}\n{timing}\n{f['text'].strip()}\n" if fmt == "srt" else f"{timing}\n{f['text'].strip()}\n")
+    return ("" if fmt == "srt" else "WEBVTT\n\n") + "\n".join(cues)
+
+
 def decode_audio_file(data: bytes, max_s: float) -> np.ndarray:
-    """WAV/FLAC/OGG bytes -> mono float32 at 16 kHz."""
+    """WAV/FLAC/OGG/MP3 bytes (what libsndfile reads) -> mono float32 at 16 kHz."""
     import soundfile as sf
 
     try:
         x, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception:  # soundfile raises LibsndfileError/RuntimeError/TypeError on garbage
-        raise UnsupportedError("cannot decode the audio file; send WAV, FLAC or OGG") from None
+        raise UnsupportedError("cannot decode the audio file; send WAV, FLAC, OGG (Vorbis/Opus) or MP3") from None
     if len(x) > max_s * rate:
         raise ProtocolError(f"audio longer than {max_s:.0f} s", code="too_long")
     mono = x.mean(axis=1).astype(np.float32)

@@ -444,7 +444,23 @@ async def test_transcriptions_endpoint(live, arctic) -> None:  # noqa: ANN001
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported"
         missing = await c.post(url, data={"model": "whisper-1"})
         assert missing.status_code == 400 and missing.json()["error"]["code"] in ("missing_field", "bad_request")
-        fmt = await c.post(url, files={"file": ("a.wav", wav)}, data={"response_format": "srt"})
+        # subtitles: the segment's times as verbose_json has them
+        seg = body["segments"][0]
+        r = await c.post(url, files={"file": ("a.wav", wav)}, data={"response_format": "srt"})
+        cue = r.text.split("\n")
+        assert r.status_code == 200 and cue[0] == "1" and norm(cue[2]) == norm(ARCTIC), r.text
+        start, end = (sum(float(p) * k for p, k in zip(t.replace(",", ".").split(":"), (3600, 60, 1)))
+                      for t in cue[1].split(" --> "))
+        assert (start, end) == (pytest.approx(seg["start"], abs=1e-3), pytest.approx(seg["end"], abs=1e-3))
+        r = await c.post(url, files={"file": ("a.wav", wav)}, data={"response_format": "vtt"})
+        assert r.headers["content-type"].startswith("text/vtt") and r.text.startswith("WEBVTT\n\n")
+        assert cue[1].replace(",", ".") in r.text and norm(r.text.split("\n")[3]) == norm(ARCTIC)
+        # MP3, the commonest upload
+        buf = io.BytesIO()
+        sf.write(buf, speech(arctic, 0.2, 0.3), 16000, format="MP3")
+        r = await c.post(url, files={"file": ("a.mp3", buf.getvalue(), "audio/mpeg")})
+        assert r.status_code == 200 and norm(r.json()["text"]) == norm(ARCTIC), r.text
+        fmt = await c.post(url, files={"file": ("a.wav", wav)}, data={"response_format": "xml"})
         assert fmt.status_code == 400 and fmt.json()["error"]["code"] == "unsupported"
         lang = await c.post(url, files={"file": ("a.wav", wav)}, data={"language": "fr"})
         assert lang.status_code == 400 and lang.json()["error"]["code"] == "unsupported"
