@@ -8,6 +8,7 @@ transformers does (sandboxed, trim_blocks/lstrip_blocks, ``raise_exception``, a 
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -195,6 +196,24 @@ class TextTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (part of a UTF-8 character, for some): through
+        the byte-level alphabet where the decoder is byte-level BPE, a ``<0xNN>`` byte-fallback
+        token as its byte, else its decoded text."""
+        piece = self.tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if isinstance(self.tok.decoder, decoders.ByteLevel) and self.tok.token_to_id(piece) is not None:
+            table = _byte_alphabet()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.tok.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render a conversation to the prompt string (HF conventions: ``messages``,
         ``add_generation_prompt``, ``bos_token``/``eos_token`` variables)."""
@@ -204,6 +223,21 @@ class TextTokenizer:
             self._template = _compile_template(self.chat_template)
         variables = {**self.special_strings, **kwargs}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte -> the
+    byte (printable Latin-1 bytes stand for themselves, the other 68 for U+0100 onwards)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _compile_template(source: str) -> Any:

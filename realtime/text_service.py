@@ -67,15 +67,37 @@ PREFIX_CHUNK = 32
 
 # ---- the batched decoder (engine-side, no scheduler knowledge) -----------------------------------
 
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax of logits [B, V] (float32): the tokens' values [B], the top k's values and ids [B, k]."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lsm.gather(1, tokens.view(-1, 1).to(torch.long))[:, 0]
+    vals, ids = lsm.topk(k, dim=-1)  # (k = 0: empty)
+    return chosen, vals, ids
+
+
 class StepResult:
     """The tokens of a launched decode step: on CUDA a pinned host copy and an event, so the host can
     launch the next step (which reads its tokens on the device) before it waits for this one."""
 
-    __slots__ = ("_host", "_event", "_n", "_tokens")
+    __slots__ = ("_host", "_event", "_n", "_tokens", "_lp", "_lp_host")
 
     def __init__(self, tokens: list[int] | None = None, host: torch.Tensor | None = None,
-                 event: Any = None, n: int = 0) -> None:
+                 event: Any = None, n: int = 0, logprobs: Any = None) -> None:
         self._tokens, self._host, self._event, self._n = tokens, host, event, n
+        self._lp = logprobs  # (chosen [B], top values [B, k], top ids [B, k]) on the device, or None
+        self._lp_host: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Each row's (log probability of its token, [(id, log probability)] of the top k), when the
+        step was launched with ``logprobs``; else None."""
+        if self._lp is None:
+            return None
+        if self._lp_host is None:
+            self.result()
+            chosen, vals, ids = (t.tolist() for t in self._lp)
+            self._lp_host = [(c, list(zip(i, v))) for c, v, i in zip(chosen, vals, ids)]
+            self._lp = (torch.empty(0),) * 3  # (the device tensors freed; the host lists kept)
+        return self._lp_host
 
     def result(self) -> list[int]:
         if self._tokens is None:
@@ -126,6 +148,8 @@ class BatchDecoder:
         # [slots + 1, V] float32 (129 x 128,256: 66 MB on a GPU; 9 x 49,152: 1.8 MB for SmolLM2 on the
         # CPU); counted only by "penalize" steps, the only ones that read it
         self.counts = torch.zeros(n, model.vocab_size, dtype=torch.float32, device=dev)
+        self.start_logprobs: tuple[float, list[tuple[int, float]]] | None = None  # start()'s, when asked
+        self._step_lp: Any = None  # _eager's log probabilities, when asked
         self.fused_advance = False  # see use_fused_advance, set below
         self._out: torch.Tensor | None = None  # advance_rows' tokens and scratch, made on first use
         self._work: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -172,11 +196,12 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def start(self, slot: int, ids: Sequence[int], temperature: float, top_k: int, top_p: float, seed: int,
-              frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> int:
+              frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None) -> int:
         """Prefill prompt ids [T] into ``slot`` and sample the reply's first token (returned). The
         slot is reset first, unless it holds K/V of a prefix of ``ids`` (``shared``, in whole
         chunks): then only the chunks after it are run. The penalties count the reply's tokens
-        (not the prompt's) in the steps that ask for them (``penalized``)."""
+        (not the prompt's) in the steps that ask for them (``penalized``). ``logprobs`` (top k):
+        the first token's log probabilities go to ``start_logprobs``."""
         assert 0 <= slot < self.n_slots and 0 < len(ids) <= self.max_seq_len
         from realtime.engines.sampling import sample
 
@@ -206,6 +231,10 @@ class BatchDecoder:
         if frequency_penalty or presence_penalty:  # (the reply's first token: nothing to penalise yet)
             self.counts[slot].zero_()
             self.counts[slot, first] = 1.0
+        self.start_logprobs = None
+        if logprobs is not None:
+            lp = StepResult([int(first.item())], logprobs=_logprobs(logits[None], first, logprobs))
+            self.start_logprobs = lp.logprobs()[0]
         self.pos[slot] = len(ids)
         self.step_no[slot] = 1
         return int(first.item())  # one read per new request
@@ -221,14 +250,15 @@ class BatchDecoder:
             i += 1
         return i // PREFIX_CHUNK * PREFIX_CHUNK
 
-    def _eager(self, idx: torch.Tensor, mode: str) -> torch.Tensor:
+    def _eager(self, idx: torch.Tensor, mode: str, logprobs: int | None = None) -> torch.Tensor:
         from realtime.engines.sampling import greedy as argmax
         from realtime.engines.sampling import sample
         from realtime.engines.transformer import use_kernels
 
         pos = self.pos[idx]
-        fused = self._advances(mode)
+        fused = self._advances(mode) and logprobs is None
         logits = self.model.decode_step(self.cache, idx, self.tok[idx], pos, float32=not fused)
+        raw = logits  # (logprobs are the model's, before penalties and temperature)
         if fused:  # the tokens and the slots' tok / pos / step_no in one launch (kernels/sampling.py)
             from realtime.kernels.sampling import advance_rows
 
@@ -252,19 +282,23 @@ class BatchDecoder:
         self.tok[idx] = nxt
         self.pos[idx] = pos + 1
         self.step_no[idx] = self.step_no[idx] + 1
+        if logprobs is not None:
+            self._step_lp = _logprobs(raw, nxt, logprobs)
         return nxt
 
     @torch.inference_mode()
     def step(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True,
-             penalized: bool = False) -> list[int]:
+             penalized: bool = False, logprobs: int | None = None) -> list[int]:
         """One token for each slot in ``slots`` (each at its own position) → the sampled ids.
 
         ``greedy``: every row has temperature 0 (argmax only; the host knows this, the device need
         not branch). ``filtered=False``: no row uses top-k or top-p (no vocabulary sort).
         ``penalized``: some row has a frequency or presence penalty (then the step applies and
-        counts them for every row, greedy or not). The caller keeps every pos < max_seq_len.
+        counts them for every row, greedy or not). ``logprobs`` (top k, 0..20): the step also
+        computes each row's log probabilities (``StepResult.logprobs``; such a step runs eagerly,
+        not from a CUDA graph). The caller keeps every pos < max_seq_len.
         """
-        return self.launch(slots, greedy, filtered, penalized).result()
+        return self.launch(slots, greedy, filtered, penalized, logprobs).result()
 
     @staticmethod
     def _mode(greedy: bool, filtered: bool, penalized: bool = False) -> str:
@@ -274,25 +308,26 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def launch(self, slots: Sequence[int], greedy: bool = False, filtered: bool = True,
-               penalized: bool = False) -> StepResult:
+               penalized: bool = False, logprobs: int | None = None) -> StepResult:
         """``step`` without the wait: the step is queued, its tokens come from ``.result()``. Each
         slot's next input token stays on the device, so the next step may be launched first and the
         host's work (reading, detokenising) overlaps the GPU's."""
         if not slots:
             return StepResult([])
         mode = self._mode(greedy, filtered, penalized)
-        if self.cuda_graphs:
+        if self.cuda_graphs and logprobs is None:
             return self._to_host(self._graphed(slots, mode), len(slots))
         key = tuple(slots)
         if key != self._idx_key:  # the batch changed: one small host→device copy
             self._idx = self._to_device(key)
             self._idx_key = key
-        nxt = self._eager(self._idx, mode)
+        nxt = self._eager(self._idx, mode, logprobs)
+        lp, self._step_lp = self._step_lp, None
         if nxt.is_cuda:
-            return self._to_host(nxt, len(slots))
-        return StepResult(nxt.tolist())
+            return self._to_host(nxt, len(slots), lp)
+        return StepResult(nxt.tolist(), logprobs=lp)
 
-    def _to_host(self, out: torch.Tensor, n: int) -> StepResult:
+    def _to_host(self, out: torch.Tensor, n: int, logprobs: Any = None) -> StepResult:
         """Queue the copy of out[:n] into the next of two pinned buffers, with an event."""
         if self._host is None:
             cap = max(BUCKETS[-1], self.n_slots + 1)
@@ -306,7 +341,7 @@ class BatchDecoder:
         buf[:n].copy_(out[:n], non_blocking=True)
         event = self._events[i]
         event.record()
-        res = StepResult(host=buf, event=event, n=n)
+        res = StepResult(host=buf, event=event, n=n, logprobs=logprobs)
         self._host_owner[i] = res
         return res
 
@@ -383,6 +418,7 @@ class BatchDecoder:
 class TextDelta:
     text: str
     tokens: int  # completion tokens this delta covers (text may be held back across tokens)
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI's token entries of the tokens whose text this is
 
 
 @dataclass(frozen=True)
@@ -393,6 +429,7 @@ class TextDone:
     ttft_ms: float | None
     tokens_per_s: float | None
     text: str  # the whole reply as emitted
+    logprobs: list[dict[str, Any]] | None = None  # every delta's entries, when the request asked
 
 
 class TextJob(Job):
@@ -410,8 +447,13 @@ class TextJob(Job):
         self.seed = seed
         self.max_new = max_new
         self.eos_ids = eos_ids
+        self.tokenizer = tokenizer
         self.decoder = StreamDecoder(tokenizer)
         self.matcher = tp.StopMatcher(params.stop)
+        # with logprobs: the entries of tokens whose text is not out yet (held bytes or a possible
+        # stop string), and all the entries sent
+        self.lp_pending: list[dict[str, Any]] = []
+        self.lp_sent: list[dict[str, Any]] | None = [] if params.logprobs else None
         self.output = OutputChannel(capacity=256)
         self.slot: int | None = None
         self.prefilled = False
@@ -447,7 +489,7 @@ class TextJob(Job):
         if self.t_first is not None and self.completion_tokens > 1 and self.t_last > self.t_first:
             rate = (self.completion_tokens - 1) / (self.t_last - self.t_first)
         return TextDone(reason or self.finish_reason or "cancelled", self.prompt_tokens, self.completion_tokens,
-                        ttft, rate, self.text)
+                        ttft, rate, self.text, None if self.lp_sent is None else list(self.lp_sent))
 
     # ---- asyncio side ----
     def bind(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -492,8 +534,12 @@ class TextJob(Job):
         return done
 
     # ---- worker side ----
-    def on_token(self, tok: int, now: float, context_full: bool) -> bool:
-        """Account one sampled token; put deltas/done on the channel. Returns True when the job ended."""
+    def on_token(self, tok: int, now: float, context_full: bool,
+                 lp: tuple[float, list[tuple[int, float]]] | None = None) -> bool:
+        """Account one sampled token (``lp``: its log probability and the top alternatives', when the
+        request asked); put deltas/done on the channel. Returns True when the job ended. The
+        entries go out with the delta that carries the token's text; those of tokens whose text
+        never comes out (eos, a stop string) are not sent."""
         self.completion_tokens += 1
         self.pending_tokens += 1
         if self.t_first is None:
@@ -502,6 +548,9 @@ class TextJob(Job):
         if tok in self.eos_ids:
             self._finish("stop")
             return True
+        if lp is not None and self.lp_sent is not None:
+            tb = self.tokenizer.token_bytes
+            self.lp_pending.append(tp.logprob_entry(tb(tok), lp[0], [(tb(i), v) for i, v in lp[1]]))
         out = self.matcher.push(self.decoder.push(tok))
         if self.matcher.stopped:
             self._put(out)
@@ -517,7 +566,11 @@ class TextJob(Job):
     def _put(self, text: str) -> None:
         if text:
             self.text_parts.append(text)
-            self.output.put(TextDelta(text, self.pending_tokens))
+            entries = None
+            if self.lp_sent is not None:
+                entries, self.lp_pending = self.lp_pending, []
+                self.lp_sent.extend(entries)
+            self.output.put(TextDelta(text, self.pending_tokens, entries))
             self.pending_tokens = 0
 
     def _finish(self, reason: str, flush: bool = True) -> None:
@@ -586,14 +639,14 @@ class TextPrefillLane(Lane):
             p = job.params
             try:
                 tok = eng.start(job.slot, job.ids, p.temperature, p.top_k, p.top_p, job.seed,
-                                p.frequency_penalty, p.presence_penalty)
+                                p.frequency_penalty, p.presence_penalty, p.top_logprobs if p.logprobs else None)
             except RealtimeError as exc:  # fail only this request
                 job.fail(exc)
                 continue
             job.prefilled = True
             now = time.monotonic()
             self.svc.observe_ttft(now - job.t_submit)
-            job.on_token(tok, now, context_full=len(job.ids) >= eng.max_seq_len)
+            job.on_token(tok, now, context_full=len(job.ids) >= eng.max_seq_len, lp=eng.start_logprobs)
 
     def release(self, job: Job) -> None:
         slot = getattr(job, "slot", None)
@@ -635,7 +688,9 @@ class TextDecodeLane(Lane):
             greedy = all(j.params.temperature <= 0 for j in step)
             filtered = any(j.params.filtered for j in step)
             penalized = any(j.params.penalized for j in step)
-            cur = (step, eng.launch([j.slot for j in step], greedy=greedy, filtered=filtered, penalized=penalized))
+            asks = [j.params.top_logprobs for j in step if j.params.logprobs]  # (such a step runs eagerly)
+            cur = (step, eng.launch([j.slot for j in step], greedy=greedy, filtered=filtered, penalized=penalized,
+                                    logprobs=max(asks) if asks else None))
         if self.pipelined:
             self._inflight, self._inflight_jobs = cur, frozenset(step)
         else:
@@ -654,16 +709,17 @@ class TextDecodeLane(Lane):
 
     def _deliver(self, jobs: list[TextJob], result: "StepResult") -> None:
         toks = result.result()
+        lps = result.logprobs()
         now = time.monotonic()
         max_seq = self.svc.engine.max_seq_len
-        for job, tok in zip(jobs, toks, strict=True):
+        for i, (job, tok) in enumerate(zip(jobs, toks, strict=True)):
             if not job.active or job.finish_reason is not None:
                 self.dropped += 1  # ended (eos, stop, cancel) after this step was launched
                 continue
             self.tokens += 1
             # pos of the token just sampled = prompt + tokens so far - 1; it needs a cache row too
             full = len(job.ids) + job.completion_tokens >= max_seq
-            job.on_token(tok, now, context_full=full)
+            job.on_token(tok, now, context_full=full, lp=lps[i] if lps is not None and job.params.logprobs else None)
 
 
 # ---- the service ---------------------------------------------------------------------------------
@@ -898,7 +954,7 @@ class TextSession:
     async def _pump(self, job: TextJob) -> None:
         async for ev in job.stream(self.svc.wake):
             if isinstance(ev, TextDelta):
-                await self.conn.send(tp.delta(ev.text, ev.tokens))
+                await self.conn.send(tp.delta(ev.text, ev.tokens, ev.logprobs))
             else:
                 await self.conn.send(tp.done(ev.finish_reason, ev.prompt_tokens, ev.completion_tokens,
                                              ev.ttft_ms, ev.tokens_per_s))
@@ -936,14 +992,14 @@ async def chat_completions(svc: TextService, state: "AppState", request: Any) ->
             if job.active:
                 svc.cancel(job)
         return JSONResponse(tp.chat_completion(cid, model, done.text, done.finish_reason, done.prompt_tokens,
-                                               done.completion_tokens, created))
+                                               done.completion_tokens, created, logprobs=done.logprobs))
 
     async def events() -> AsyncIterator[bytes]:
         try:
             yield tp.sse(tp.chat_chunk(cid, model, created, "", role=True))
             async for ev in job.stream(svc.wake):
                 if isinstance(ev, TextDelta):
-                    yield tp.sse(tp.chat_chunk(cid, model, created, ev.text))
+                    yield tp.sse(tp.chat_chunk(cid, model, created, ev.text, logprobs=ev.logprobs))
                 else:
                     yield tp.sse(tp.chat_chunk(cid, model, created, finish_reason=ev.finish_reason))
                     if req.include_usage:

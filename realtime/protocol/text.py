@@ -25,6 +25,7 @@ MAX_PROMPT_CHARS = 200_000
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 64
 MAX_TOKENS_LIMIT = 32_768
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -47,6 +48,10 @@ class GenParams:
     # OpenAI's penalties on the reply's own tokens so far: logit -= frequency * count + presence * (count > 0)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # each reply token's log probability under the model (before penalties and temperature), and
+    # the top_logprobs most likely tokens at its place
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def filtered(self) -> bool:
@@ -139,8 +144,6 @@ def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
 # OpenAI fields that would change what comes back and that this server does not do: refused, not
 # ignored (a client asking for them would otherwise get a reply it did not ask for)
 _UNSUPPORTED = {
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
     "logit_bias": "'logit_bias' is not supported",
     "audio": "audio output is not supported here: use /v1/audio/speech or /v1/tts",
     "prediction": "predicted outputs are not supported",
@@ -164,8 +167,8 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 
 def parse_params(body: dict[str, Any], *, default_temperature: float = 1.0) -> GenParams:
     """Validate sampling fields (same names as OpenAI; ``max_completion_tokens`` is an alias).
-    Fields that would change the reply and that are not done here (logprobs, logit_bias, JSON
-    mode, audio output) are refused."""
+    Fields that would change the reply and that are not done here (logit_bias, JSON mode, audio
+    output) are refused."""
     _refuse_unsupported(body)
     max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
     alias = _int(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
@@ -183,6 +186,12 @@ def parse_params(body: dict[str, Any], *, default_temperature: float = 1.0) -> G
     if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise _bad(f"at most {MAX_STOPS} stop strings of 1..{MAX_STOP_CHARS} characters")
     seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("'logprobs' must be a boolean")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true")
     return GenParams(
         max_tokens=max_tokens,
         temperature=_num(body, "temperature", 0.0, 2.0, default_temperature),
@@ -192,6 +201,8 @@ def parse_params(body: dict[str, Any], *, default_temperature: float = 1.0) -> G
         seed=seed,
         frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
         presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
+        logprobs=bool(logprobs),
+        top_logprobs=top,
     )
 
 
@@ -323,8 +334,11 @@ def ready(session: str, model: str, context: int) -> dict[str, Any]:
     return {"type": "ready", "session": session, "model": model, "context_tokens": context}
 
 
-def delta(text: str, tokens: int) -> dict[str, Any]:
-    return {"type": "delta", "text": text, "tokens": tokens}
+def delta(text: str, tokens: int, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "delta", "text": text, "tokens": tokens}
+    if logprobs is not None:
+        out["logprobs"] = logprobs
+    return out
 
 
 def done(finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float | None,
@@ -342,24 +356,39 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def logprob_entry(token: bytes, logprob: float, top: list[tuple[bytes, float]] | None = None) -> dict[str, Any]:
+    """OpenAI's ChatCompletionTokenLogprob: the token's text (its bytes as UTF-8, U+FFFD where a
+    token holds part of a character), its bytes, its log probability and the top alternatives."""
+    entry: dict[str, Any] = {"token": token.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(token)}
+    entry["top_logprobs"] = [{"token": t.decode("utf-8", "replace"), "logprob": lp, "bytes": list(t)}
+                             for t, lp in (top or [])]
+    return entry
+
+
+def _choice_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
 def chat_completion(cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, created: int | None = None) -> dict[str, Any]:
+                    completion_tokens: int, created: int | None = None,
+                    logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion", "created": int(created or time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": openai_finish(finish_reason), "logprobs": None}],
+                         "finish_reason": openai_finish(finish_reason), "logprobs": _choice_logprobs(logprobs)}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_chunk(cid: str, model: str, created: int, content: str | None = None, *, role: bool = False,
                finish_reason: str | None = None, usage_: dict[str, int] | None = None,
-               empty_choices: bool = False) -> dict[str, Any]:
+               empty_choices: bool = False, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     d: dict[str, Any] = {}
     if role:
         d["role"] = "assistant"
     if content is not None:
         d["content"] = content
     fr = None if finish_reason is None else openai_finish(finish_reason)
-    choices = [] if empty_choices else [{"index": 0, "delta": d, "logprobs": None, "finish_reason": fr}]
+    choices = [] if empty_choices else [{"index": 0, "delta": d, "logprobs": _choice_logprobs(logprobs),
+                                         "finish_reason": fr}]
     out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": choices}
     if usage_ is not None:

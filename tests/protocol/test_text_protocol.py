@@ -94,7 +94,7 @@ def test_penalties_parse_and_unsupported_fields_are_refused() -> None:
         with pytest.raises(ProtocolError):
             tp.parse_params(body)
     # fields that would change the reply and are not done here: an error with its own code, not ignored
-    for body in ({"logprobs": True}, {"top_logprobs": 3}, {"logit_bias": {"50256": -100}},
+    for body in ({"logit_bias": {"50256": -100}},
                  {"response_format": {"type": "json_object"}}, {"response_format": "json"},
                  {"audio": {"voice": "alloy"}}, {"modalities": ["text", "audio"]},
                  {"prediction": {"type": "content", "content": "x"}}):
@@ -104,6 +104,13 @@ def test_penalties_parse_and_unsupported_fields_are_refused() -> None:
     # their off values pass (what SDKs send by default)
     tp.parse_params({"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "response_format": {"type": "text"},
                      "modalities": ["text"], "user": "u", "metadata": {}, "store": False})
+    # logprobs: a boolean, and top_logprobs 0..20 only with it
+    p = tp.parse_params({"logprobs": True, "top_logprobs": 20})
+    assert p.logprobs and p.top_logprobs == 20 and tp.parse_params({"logprobs": True}).top_logprobs == 0
+    for body in ({"logprobs": "yes"}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
+                 {"logprobs": False, "top_logprobs": 1}):
+        with pytest.raises(ProtocolError):
+            tp.parse_params(body)
 
 
 def test_parse_chat_completion() -> None:
