@@ -628,6 +628,9 @@ class ASRService(Service):
             if fmt not in TRANSCRIPTION_FORMATS:
                 raise UnsupportedError(f"response_format '{fmt[:20]}' is not supported; use "
                                        f"{', '.join(TRANSCRIPTION_FORMATS)}")
+            grains = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
+            if any(g != "segment" for g in grains):
+                raise UnsupportedError("only segment timestamps are given (no word timestamps)")
             lang = form.get("language")
             params = parse_start({"type": "start", "language": lang or None}, self.languages)
             audio = decode_audio_file(data, self.cfg.max_file_s)

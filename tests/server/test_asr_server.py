@@ -460,6 +460,12 @@ async def test_transcriptions_endpoint(live, arctic) -> None:  # noqa: ANN001
         sf.write(buf, speech(arctic, 0.2, 0.3), 16000, format="MP3")
         r = await c.post(url, files={"file": ("a.mp3", buf.getvalue(), "audio/mpeg")})
         assert r.status_code == 200 and norm(r.json()["text"]) == norm(ARCTIC), r.text
+        words = await c.post(url, files={"file": ("a.wav", wav)},
+                             data={"response_format": "verbose_json", "timestamp_granularities[]": "word"})
+        assert words.status_code == 400 and "word" in words.json()["error"]["message"]
+        r = await c.post(url, files={"file": ("a.wav", wav)},
+                         data={"response_format": "verbose_json", "timestamp_granularities[]": "segment"})
+        assert r.status_code == 200 and len(r.json()["segments"]) == 1
         fmt = await c.post(url, files={"file": ("a.wav", wav)}, data={"response_format": "xml"})
         assert fmt.status_code == 400 and fmt.json()["error"]["code"] == "unsupported"
         lang = await c.post(url, files={"file": ("a.wav", wav)}, data={"language": "fr"})
