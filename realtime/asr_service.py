@@ -788,8 +788,10 @@ class ASRSession(StreamSession):
 
 
 def add_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser("transcribe", help="transcribe an audio file (WAV/FLAC)")
+    p = subparsers.add_parser("transcribe", help="transcribe an audio file (WAV, FLAC, OGG, MP3)")
     p.add_argument("file")
+    p.add_argument("--format", default="text", choices=("text", "srt", "vtt"),
+                   help="text: a line a segment; srt / vtt: subtitles (with --local, one cue for the whole file)")
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/asr", help="the server's /v1/asr WebSocket")
     p.add_argument("--local", action="store_true", help="recognise in this process (no server)")
     p.add_argument("--model", default=None, help="with --local: a Whisper folder (default: embedded tiny.en)")
@@ -813,7 +815,11 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
         from realtime.engines.whisper import Whisper
 
         w = Whisper.from_pretrained(args.model, device=args.device, cpu_native=not args.exact)
-        print(w.transcribe(audio, language=args.language))
+        text = w.transcribe(audio, language=args.language)
+        if args.format == "text":
+            print(text)
+        else:
+            print(subtitles([{"start_ms": 0, "end_ms": len(audio) * 1000 // RATE, "text": text}], args.format), end="")
         return 0
     try:
         finals, stats = asyncio.run(stream_file(args.url, audio, language=args.language,
@@ -821,8 +827,11 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as exc:
         print(f"realtime transcribe: {exc}", file=sys.stderr)
         return 1
-    for f in finals:
-        print(f["text"])
+    if args.format == "text":
+        for f in finals:
+            print(f["text"])
+    else:
+        print(subtitles(finals, args.format), end="")
     print(f"{len(audio) / RATE:.2f} s of audio in {time.perf_counter() - t0:.2f} s, "
           f"server rtf {stats.get('rtf')}", file=sys.stderr)
     return 0

@@ -483,6 +483,10 @@ def test_transcribe_cli_against_live_server(live) -> None:  # noqa: ANN001
                            capture_output=True, text=True, timeout=120)
     assert local.returncode == 0, local.stderr[-2000:]
     assert norm(local.stdout) == norm(ARCTIC)
+    srt = subprocess.run([sys.executable, "-m", "realtime.cli", "transcribe", str(ASSET), "--url", f"{live.ws}/v1/asr",
+                          "--format", "srt"], capture_output=True, text=True, timeout=120)
+    cue = srt.stdout.split("\n")
+    assert srt.returncode == 0 and cue[0] == "1" and " --> " in cue[1] and norm(cue[2]) == norm(ARCTIC), srt.stdout
     bad = subprocess.run([sys.executable, "-m", "realtime.cli", "transcribe", str(ASSET), "--url",
                           "ws://127.0.0.1:9/v1/asr"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
