@@ -333,6 +333,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: 
 _OPTIONAL = {"/v1/images/generations": "--image-model", "/v1/image": "--image-model", "/v1/video": "--video-model",
              "/v1/audio/transcriptions": "speech recognition (no --no-asr)", "/v1/asr": "speech recognition (no --no-asr)",
              "/v1/chat/completions": "text generation (no --no-text)", "/v1/text": "text generation (no --no-text)",
+             "/v1/completions": "text generation (no --no-text)",
              "/v1/realtime": "speech recognition and text generation",
              "/v1/telephony/twilio": "speech recognition and text generation"}
 

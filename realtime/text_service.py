@@ -885,7 +885,11 @@ class TextService(Service):
         async def chat(request):  # noqa: ANN001, ANN202
             return await chat_completions(self, state(), request)
 
-        return [WebSocketRoute("/v1/text", text_ws), Route("/v1/chat/completions", chat, methods=["POST"])]
+        async def completions(request):  # noqa: ANN001, ANN202
+            return await chat_completions(self, state(), request, legacy=True)
+
+        return [WebSocketRoute("/v1/text", text_ws), Route("/v1/chat/completions", chat, methods=["POST"]),
+                Route("/v1/completions", completions, methods=["POST"])]
 
 
 class TextSession:
@@ -961,8 +965,9 @@ class TextSession:
                 self.proto.finished()
 
 
-async def chat_completions(svc: TextService, state: "AppState", request: Any) -> Any:
-    """POST /v1/chat/completions (OpenAI-compatible; streaming as server-sent events)."""
+async def chat_completions(svc: TextService, state: "AppState", request: Any, legacy: bool = False) -> Any:
+    """POST /v1/chat/completions (OpenAI-compatible; streaming as server-sent events), or with
+    ``legacy`` POST /v1/completions (a raw prompt; OpenAI's text_completion shapes)."""
     from starlette.responses import JSONResponse, StreamingResponse
 
     from realtime.errors import AuthError
@@ -972,16 +977,23 @@ async def chat_completions(svc: TextService, state: "AppState", request: Any) ->
         return http_error(AuthError("missing or bad API key"), 401)
     try:
         body = await json_body(request, state.config.max_frame_bytes)
-        req = tp.parse_chat_completion(body)
+        req = tp.parse_completion(body) if legacy else tp.parse_chat_completion(body)
         job = svc.submit(req.request)
     except OverloadedError as exc:
         return http_error(exc, 503)
     except RealtimeError as exc:
         return http_error(exc, 400)
     state.metrics.streams.inc()
-    cid = "chatcmpl-" + uuid.uuid4().hex[:24]
+    cid = ("cmpl-" if legacy else "chatcmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = svc.model_name
+    offset = 0  # (legacy logprobs: the completion text's characters so far)
+
+    def legacy_lp(entries: list[dict[str, Any]] | None, text: str) -> dict[str, Any] | None:
+        nonlocal offset
+        out = None if entries is None else tp.legacy_logprobs(entries, offset)
+        offset += len(text)
+        return out
 
     if not req.stream:
         try:
@@ -991,20 +1003,28 @@ async def chat_completions(svc: TextService, state: "AppState", request: Any) ->
         finally:
             if job.active:
                 svc.cancel(job)
+        use = tp.usage(done.prompt_tokens, done.completion_tokens)
+        if legacy:
+            return JSONResponse(tp.completion(cid, model, created, done.text, done.finish_reason,
+                                              legacy_lp(done.logprobs, done.text), use))
         return JSONResponse(tp.chat_completion(cid, model, done.text, done.finish_reason, done.prompt_tokens,
                                                done.completion_tokens, created, logprobs=done.logprobs))
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            yield tp.sse(tp.chat_chunk(cid, model, created, "", role=True))
+            if not legacy:
+                yield tp.sse(tp.chat_chunk(cid, model, created, "", role=True))
             async for ev in job.stream(svc.wake):
                 if isinstance(ev, TextDelta):
-                    yield tp.sse(tp.chat_chunk(cid, model, created, ev.text, logprobs=ev.logprobs))
-                else:
-                    yield tp.sse(tp.chat_chunk(cid, model, created, finish_reason=ev.finish_reason))
-                    if req.include_usage:
-                        yield tp.sse(tp.chat_chunk(cid, model, created, empty_choices=True,
-                                                   usage_=tp.usage(ev.prompt_tokens, ev.completion_tokens)))
+                    yield tp.sse(tp.completion(cid, model, created, ev.text, None, legacy_lp(ev.logprobs, ev.text))
+                                 if legacy else tp.chat_chunk(cid, model, created, ev.text, logprobs=ev.logprobs))
+                    continue
+                use = tp.usage(ev.prompt_tokens, ev.completion_tokens)
+                yield tp.sse(tp.completion(cid, model, created, "", ev.finish_reason) if legacy
+                             else tp.chat_chunk(cid, model, created, finish_reason=ev.finish_reason))
+                if req.include_usage:
+                    yield tp.sse(tp.completion(cid, model, created, None, usage_=use) if legacy
+                                 else tp.chat_chunk(cid, model, created, empty_choices=True, usage_=use))
             yield tp.sse("[DONE]")
         except RealtimeError as exc:
             yield tp.sse({"error": {"message": exc.message, "type": "server_error", "code": exc.code}})

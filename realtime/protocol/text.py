@@ -240,6 +240,11 @@ def parse_chat_completion(body: dict[str, Any]) -> ChatRequest:
         raise _bad("only n=1 is supported")
     if body.get("tools") or body.get("functions"):
         raise _bad("tools are not supported")
+    return ChatRequest(parse_request(body), *_envelope(body))
+
+
+def _envelope(body: dict[str, Any]) -> tuple[str | None, bool, bool]:
+    """An OpenAI body's (model, stream, stream_options.include_usage)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string")
@@ -249,7 +254,41 @@ def parse_chat_completion(body: dict[str, Any]) -> ChatRequest:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise _bad("'stream_options' must be an object")
-    return ChatRequest(parse_request(body), model, stream, bool(opts.get("include_usage", False)))
+    return model, stream, bool(opts.get("include_usage", False))
+
+
+MAX_LEGACY_LOGPROBS = 5  # as OpenAI's completions endpoint
+LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default there (chat's is "until the end")
+
+
+def parse_completion(body: dict[str, Any]) -> ChatRequest:
+    """Validate an OpenAI (legacy) completions body: one string ``prompt`` (or a list holding one),
+    ``max_tokens`` 16 by default as OpenAI's, ``logprobs`` an integer 0..5 (the top alternatives).
+    ``n``/``best_of`` other than 1, ``echo`` and ``suffix`` are refused."""
+    if body.get("messages") is not None:
+        raise _bad("'messages' is a chat-completions field (POST /v1/chat/completions)")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise _bad("'prompt' must be a string (or a list of one string; token arrays are not supported)")
+        prompt = prompt[0]
+    for name in ("n", "best_of"):
+        if body.get(name) not in (None, 1):
+            raise _bad(f"only {name}=1 is supported")
+    if body.get("echo"):
+        raise _bad("'echo' is not supported", "unsupported")
+    if body.get("suffix"):
+        raise _bad("'suffix' (insertion) is not supported", "unsupported")
+    lp = body.get("logprobs")
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LEGACY_LOGPROBS):
+        raise _bad(f"'logprobs' must be an integer between 0 and {MAX_LEGACY_LOGPROBS}")
+    fields = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs", "echo", "suffix")}
+    fields["prompt"] = prompt
+    if lp is not None:
+        fields.update(logprobs=True, top_logprobs=lp)
+    if fields.get("max_tokens") is None:
+        fields["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
+    return ChatRequest(parse_request(fields), *_envelope(body))
 
 
 class TextProtocol:
@@ -376,6 +415,32 @@ def chat_completion(cid: str, model: str, text: str, finish_reason: str, prompt_
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": openai_finish(finish_reason), "logprobs": _choice_logprobs(logprobs)}],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """Chat-style token entries -> the completions endpoint's logprobs object (parallel lists;
+    ``text_offset``: each token's first character in the completion text, from ``offset``)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    seen = b""
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        out["text_offset"].append(offset + len(seen.decode("utf-8", "ignore")))
+        seen += bytes(e["bytes"])
+    return out
+
+
+def completion(cid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None, usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    """A (legacy) completions response or one of its streamed events (``text`` None: the
+    usage-only event, no choices)."""
+    choices = [] if text is None else [{"text": text, "index": 0, "logprobs": logprobs,
+                                        "finish_reason": None if finish_reason is None else openai_finish(finish_reason)}]
+    out: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
 
 
 def chat_chunk(cid: str, model: str, created: int, content: str | None = None, *, role: bool = False,

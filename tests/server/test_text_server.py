@@ -526,6 +526,44 @@ def test_logprobs_through_chat_completions_and_v1_text(live) -> None:  # noqa: A
     assert [c.token for c in res.choices[0].logprobs.content] == [e["token"] for e in entries]
 
 
+def test_legacy_completions_endpoint(live) -> None:  # noqa: ANN001
+    """POST /v1/completions: a raw prompt, OpenAI's text_completion shapes (16 tokens by default),
+    the same reply as /v1/text gives the prompt; legacy logprobs as parallel lists; streamed."""
+    url = f"{live.http}/v1/completions"
+    body = {"model": "m", "prompt": "The capital of France is", "temperature": 0, "max_tokens": 12}
+    out = httpx.post(url, json=body, timeout=60).json()
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-"), out
+    text = out["choices"][0]["text"]
+    assert "Paris" in text and out["choices"][0]["finish_reason"] in ("stop", "length")
+    assert text == _run(_ws_request(f"{live.ws}/v1/text", {k: v for k, v in body.items() if k != "model"}))[0]
+    assert 0 < out["usage"]["completion_tokens"] <= 12 and out["usage"]["total_tokens"] == (
+        out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"])
+    assert httpx.post(url, json={"prompt": ["Once upon a time"], "temperature": 0},
+                      timeout=60).json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens
+    lp = httpx.post(url, json={**body, "logprobs": 2}, timeout=60).json()["choices"][0]
+    assert lp["text"] == text
+    info = lp["logprobs"]
+    assert "".join(info["tokens"]) == text and len(info["token_logprobs"]) == len(info["tokens"])
+    assert info["text_offset"] == [sum(len(t) for t in info["tokens"][:i]) for i in range(len(info["tokens"]))]
+    assert all(v <= 0 for v in info["token_logprobs"]) and all(1 <= len(t) <= 2 for t in info["top_logprobs"])
+    with httpx.stream("POST", url, json={**body, "logprobs": 2, "stream": True,
+                                         "stream_options": {"include_usage": True}}, timeout=60) as resp:
+        chunks = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: {")]
+    parts = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(p["text"] for p in parts) == text and parts[-1]["finish_reason"] == lp["finish_reason"]
+    assert [t for p in parts if p["logprobs"] for t in p["logprobs"]["tokens"]] == info["tokens"]
+    assert [t for p in parts if p["logprobs"] for t in p["logprobs"]["text_offset"]] == info["text_offset"]
+    assert chunks[-1]["usage"] == out["usage"] and chunks[-1]["choices"] == []
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": [1, 2]}, {"prompt": "a", "logprobs": 6}, {"prompt": "a", "n": 2},
+                {"prompt": "a", "echo": True}, {"prompt": "a", "suffix": "z"}, {"messages": FRANCE}, {}):
+        r = httpx.post(url, json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
+    openai = pytest.importorskip("openai")
+    res = openai.OpenAI(base_url=f"{live.http}/v1", api_key="unused").completions.create(
+        model="m", prompt="The capital of France is", temperature=0, max_tokens=12, logprobs=2)
+    assert res.choices[0].text == text and res.choices[0].logprobs.tokens == info["tokens"]
+
+
 def test_unfiltered_sampling_skips_the_sort_and_keeps_the_tokens(live) -> None:  # noqa: ANN001
     """Rows without top-k/top-p (the API default) are sampled without the vocabulary sort: the same
     tokens as the filtering path, greedy rows mixed in; the lane picks the mode from the requests."""
