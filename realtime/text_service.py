@@ -295,8 +295,8 @@ class BatchDecoder:
         not branch). ``filtered=False``: no row uses top-k or top-p (no vocabulary sort).
         ``penalized``: some row has a frequency or presence penalty (then the step applies and
         counts them for every row, greedy or not). ``logprobs`` (top k, 0..20): the step also
-        computes each row's log probabilities (``StepResult.logprobs``; such a step runs eagerly,
-        not from a CUDA graph). The caller keeps every pos < max_seq_len.
+        computes each row's log probabilities (``StepResult.logprobs``). Both kinds of step run
+        eagerly, not from a CUDA graph. The caller keeps every pos < max_seq_len.
         """
         return self.launch(slots, greedy, filtered, penalized, logprobs).result()
 
@@ -315,7 +315,9 @@ class BatchDecoder:
         if not slots:
             return StepResult([])
         mode = self._mode(greedy, filtered, penalized)
-        if self.cuda_graphs and logprobs is None:
+        # Steps with logprobs or penalties run eagerly: no GPU has yet run the test of their graphs
+        # (tests/server/test_text_server.py::test_cuda_graph_step_equals_eager)
+        if self.cuda_graphs and logprobs is None and mode != "penalize":
             return self._to_host(self._graphed(slots, mode), len(slots))
         key = tuple(slots)
         if key != self._idx_key:  # the batch changed: one small host→device copy
@@ -400,8 +402,8 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every bucket up to n_slots (CUDA graphs only; warm-up). The "penalize" steps
-        are captured when a request first asks for a penalty."""
+        """Capture every bucket up to n_slots (CUDA graphs only; warm-up). ("penalize" steps run
+        eagerly.)"""
         if not self.cuda_graphs:
             return
         for size in BUCKETS:
@@ -688,7 +690,7 @@ class TextDecodeLane(Lane):
             greedy = all(j.params.temperature <= 0 for j in step)
             filtered = any(j.params.filtered for j in step)
             penalized = any(j.params.penalized for j in step)
-            asks = [j.params.top_logprobs for j in step if j.params.logprobs]  # (such a step runs eagerly)
+            asks = [j.params.top_logprobs for j in step if j.params.logprobs]
             cur = (step, eng.launch([j.slot for j in step], greedy=greedy, filtered=filtered, penalized=penalized,
                                     logprobs=max(asks) if asks else None))
         if self.pipelined:

@@ -657,7 +657,8 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
                 out[s].append(t)
         plain.append(out)
     assert plain[0] == plain[1] == plain[2]
-    # penalised rows (a "penalize" step, captured on first use): graphed = eager, through a batch change
+    # penalised rows ("penalize" steps run eagerly beside the graphed ones): the same tokens, through a
+    # batch change; (to graph them: drop the launch's mode check, then this test must pass as it is)
     pen = []
     for graphs, lp in ((False, None), (True, None), (True, 2)):  # (lp: every other step eager, with logprobs)
         dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
@@ -672,6 +673,4 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
             if ask:
                 assert all(len(top) == 2 and c <= 0 for c, top in res.logprobs())
         pen.append(out)
-        if graphs:
-            assert {k for k in dec._graphs if k[1] == "penalize"} == {(2, "penalize"), (4, "penalize")}
     assert pen[0] == pen[1] == pen[2]
