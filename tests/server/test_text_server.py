@@ -314,6 +314,38 @@ def test_python_api_models_and_ttft_metric(live) -> None:  # noqa: ANN001
     assert count and float(count[0].split()[1]) >= 1
 
 
+def test_python_text_client(live) -> None:  # noqa: ANN001
+    """realtime.clients.text against the live server: replies on one connection (msgpack and JSON
+    frames), the same text as chat completions, a cancel from another task, a refused request."""
+    import realtime.protocol.frames as frames
+    from realtime.clients.text import ServerError, TextClient
+
+    want = httpx.post(f"{live.http}/v1/chat/completions", json={"messages": FRANCE, "temperature": 0, "max_tokens": 32},
+                      timeout=60).json()["choices"][0]["message"]["content"]
+
+    async def use(wire):  # noqa: ANN001, ANN202
+        async with TextClient(f"{live.ws}/v1/text", wire=wire) as c:
+            streamed = "".join([d.text async for d in c.generate(messages=FRANCE, temperature=0, max_tokens=32)])
+            first = (c.ready, c.done)
+            again, done = await c.complete(messages=FRANCE, temperature=0, max_tokens=32, logprobs=True)
+            pieces = []
+            async for d in c.generate(prompt="Once upon a time", temperature=0, max_tokens=200):
+                pieces.append(d)
+                if len(pieces) == 2:
+                    asyncio.ensure_future(c.cancel())  # (another task, as an app's stop button would)
+            cancelled = c.done
+            with pytest.raises(ServerError) as exc:
+                await c.complete(prompt="x", temperature=5)
+            return streamed, first, again, done, pieces, cancelled, exc.value.code
+
+    for wire in (frames.WireFormat.JSON, frames.WireFormat.MSGPACK):
+        streamed, (ready, done1), again, done, pieces, cancelled, code = _run(use(wire))
+        assert streamed == again == want and ready["prompt_tokens"] > 10 and done1["finish_reason"] == "stop"
+        assert done["usage"]["completion_tokens"] == done1["usage"]["completion_tokens"]
+        assert cancelled["finish_reason"] == "cancelled" and 2 <= len(pieces) < 200
+        assert code == "bad_field"
+
+
 def test_chat_cli_against_the_live_server(live) -> None:  # noqa: ANN001
     url = f"{live.ws}/v1/text"
     r = subprocess.run([sys.executable, "-m", "realtime.cli", "chat", "-p", "What is the capital of France?",
