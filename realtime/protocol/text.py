@@ -286,7 +286,7 @@ def parse_completion(body: dict[str, Any]) -> ChatRequest:
     fields["prompt"] = prompt
     if lp is not None:
         fields.update(logprobs=True, top_logprobs=lp)
-    if fields.get("max_tokens") is None:
+    if fields.get("max_tokens") is None and fields.get("max_completion_tokens") is None:
         fields["max_tokens"] = LEGACY_DEFAULT_MAX_TOKENS
     return ChatRequest(parse_request(fields), *_envelope(body))
 

@@ -113,6 +113,18 @@ def test_penalties_parse_and_unsupported_fields_are_refused() -> None:
             tp.parse_params(body)
 
 
+def test_parse_legacy_completion() -> None:
+    c = tp.parse_completion({"prompt": ["Once"], "logprobs": 3, "stream": True})
+    assert c.request.prompt == "Once" and c.stream and c.request.params.max_tokens == 16
+    assert c.request.params.logprobs and c.request.params.top_logprobs == 3
+    assert tp.parse_completion({"prompt": "a", "max_completion_tokens": 40}).request.params.max_tokens == 40
+    assert not tp.parse_completion({"prompt": "a", "logprobs": None}).request.params.logprobs
+    for body in ({"prompt": "a", "logprobs": True}, {"prompt": "a", "logprobs": 6}, {"prompt": ["a", "b"]},
+                 {"prompt": [[1, 2]]}, {"prompt": "a", "best_of": 3}, {"prompt": "a", "echo": True}, {"prompt": ""}):
+        with pytest.raises(ProtocolError):
+            tp.parse_completion(body)
+
+
 def test_parse_chat_completion() -> None:
     c = tp.parse_chat_completion({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True,
                                   "stream_options": {"include_usage": True}})
