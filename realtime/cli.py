@@ -71,7 +71,7 @@ def _write_audio(path: str, audio: np.ndarray, rate: int) -> None:
     """Write by the file's suffix: .wav / .flac (16-bit), .mp3, .ogg / .opus (Ogg Opus)."""
     import soundfile as sf
 
-    from realtime.protocol.encoded import OPUS_RATES
+    from realtime.codecs.encoded import OPUS_RATES
 
     fmt = AUDIO_SUFFIXES.get(Path(path).suffix.lower())
     if fmt is None:

@@ -25,8 +25,8 @@ from starlette.websockets import WebSocket
 from realtime.config import ServerConfig
 from realtime.errors import AuthError, ProtocolError, RealtimeError, UnsupportedError
 from realtime.metrics import Gauge, Metrics
-from realtime.protocol.encoded import ENCODED, EncodedStream
-from realtime.protocol.encoded import check as check_encoded
+from realtime.codecs.encoded import ENCODED, EncodedStream
+from realtime.codecs.encoded import check as check_encoded
 from realtime.protocol.tts import StartParams, parse_start
 from realtime.scheduler import Scheduler
 from realtime.service import Service
@@ -197,7 +197,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
             body = await json_body(request, config.max_frame_bytes)
             params, text, media = _speech_params(body, state.tts)
             fmt_name = body.get("response_format", "wav")
-            # mp3, opus, flac: the PCM through an encoder (realtime/protocol/encoded.py)
+            # mp3, opus, flac: the PCM through an encoder (codecs/encoded.py)
             enc = EncodedStream(fmt_name, params.sample_rate) if fmt_name in ENCODED else None
             job = state.tts.new_job(params)
         except RealtimeError as exc:
