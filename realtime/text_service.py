@@ -146,8 +146,9 @@ class BatchDecoder:
         self.freq = torch.zeros(n, dtype=torch.float32, device=dev)
         self.pres = torch.zeros(n, dtype=torch.float32, device=dev)
         # [slots + 1, V] float32 (129 x 128,256: 66 MB on a GPU; 9 x 49,152: 1.8 MB for SmolLM2 on the
-        # CPU); counted only by "penalize" steps, the only ones that read it
-        self.counts = torch.zeros(n, model.vocab_size, dtype=torch.float32, device=dev)
+        # CPU), made when a request first asks for a penalty; counted only by "penalize" steps,
+        # the only ones that read it (and that run only with a penalised slot in the batch)
+        self.counts: torch.Tensor | None = None
         self.start_logprobs: tuple[float, list[tuple[int, float]]] | None = None  # start()'s, when asked
         self._step_lp: Any = None  # _eager's log probabilities, when asked
         self.fused_advance = False  # see use_fused_advance, set below
@@ -229,6 +230,9 @@ class BatchDecoder:
         first = sample(logits[None], self.temp[s], self.top_k[s], self.top_p[s], self.seed[s], self.step_no[s])
         self.tok[s] = first
         if frequency_penalty or presence_penalty:  # (the reply's first token: nothing to penalise yet)
+            if self.counts is None:
+                self.counts = torch.zeros(self.n_slots + 1, self.model.vocab_size, dtype=torch.float32,
+                                          device=self.device)
             self.counts[slot].zero_()
             self.counts[slot, first] = 1.0
         self.start_logprobs = None
@@ -266,6 +270,7 @@ class BatchDecoder:
             return advance_rows(logits, idx, self.tok, self.pos, self.step_no, self._out, self.scratch,
                                 work=self._work, **sampled)
         if mode == "penalize":  # OpenAI's: logit - frequency * count - presence * (count > 0), then sample
+            assert self.counts is not None, "a penalize step with no penalised request started"
             c = self.counts[idx]
             logits = logits - self.freq[idx, None] * c - self.pres[idx, None] * (c > 0).to(c.dtype)
         if mode == "greedy":
