@@ -20,8 +20,8 @@ from typing import Any
 
 import websockets
 
-from realtime.clients.tts import ServerError
-from realtime.protocol.frames import WireFormat, decode_frame, encode_frame
+from realtime.clients.wire import ServerError, recv_message
+from realtime.protocol.frames import WireFormat, encode_frame
 
 __all__ = ["TextClient", "Delta", "ServerError"]
 
@@ -51,16 +51,7 @@ class TextClient:
         await self.ws.close()
 
     async def _recv(self) -> dict[str, Any]:
-        try:
-            data = await self.ws.recv()
-        except websockets.ConnectionClosed as exc:
-            rcv = exc.rcvd
-            raise ServerError("closed", rcv.reason if rcv else "connection closed",
-                              rcv.code if rcv else None) from None
-        msg, _ = decode_frame(data, max_size=1 << 26)
-        if msg.get("type") == "error":
-            raise ServerError(msg.get("code", "error"), msg.get("message", ""))
-        return msg
+        return await recv_message(self.ws, 1 << 26)
 
     async def generate(self, messages: list[dict[str, Any]] | None = None, prompt: str | None = None,
                        **params: Any) -> AsyncIterator[Delta]:

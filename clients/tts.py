@@ -23,16 +23,11 @@ import numpy as np
 import websockets
 
 from realtime.codecs.resample import unpack_pcm
-from realtime.protocol.frames import WireFormat, decode_frame, encode_frame
+from realtime.protocol.frames import WireFormat, encode_frame
+from realtime.clients.wire import ServerError, recv_message
 from realtime.protocol.player import GapTracker
 
-
-class ServerError(Exception):
-    """The server sent an ``error`` message (or closed abnormally)."""
-
-    def __init__(self, code: str, message: str, close_code: int | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code, self.message, self.close_code = code, message, close_code
+__all__ = ["TTSStream", "Chunk", "ServerError", "synthesize", "synthesize_async"]
 
 
 @dataclass
@@ -93,22 +88,7 @@ class TTSStream:
         await self.ws.send(encode_frame(msg, self.wire))
 
     async def _recv(self) -> dict[str, Any]:
-        try:
-            data = await self.ws.recv()
-        except websockets.ConnectionClosed as exc:
-            rcv = exc.rcvd
-            raise ServerError("closed", rcv.reason if rcv else "connection closed",
-                              rcv.code if rcv else None) from None
-        msg, _ = decode_frame(data, max_size=1 << 30)
-        if msg.get("type") == "error":
-            close_code = None
-            try:
-                await asyncio.wait_for(self.ws.wait_closed(), 2.0)
-                close_code = self.ws.close_code
-            except asyncio.TimeoutError:
-                pass
-            raise ServerError(msg.get("code", "error"), msg.get("message", ""), close_code)
-        return msg
+        return await recv_message(self.ws, 1 << 30)
 
     async def send_text(self, text: str) -> None:
         if self.first_text_at is None:
