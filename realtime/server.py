@@ -26,7 +26,6 @@ from realtime.config import ServerConfig
 from realtime.errors import AuthError, ProtocolError, RealtimeError, UnsupportedError
 from realtime.metrics import Gauge, Metrics
 from realtime.codecs.encoded import ENCODED, EncodedStream
-from realtime.codecs.encoded import check as check_encoded
 from realtime.protocol.tts import StartParams, parse_start
 from realtime.scheduler import Scheduler
 from realtime.service import Service
@@ -197,7 +196,8 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
             body = await json_body(request, config.max_frame_bytes)
             params, text, media = _speech_params(body, state.tts)
             fmt_name = body.get("response_format", "wav")
-            # mp3, opus, flac: the PCM through an encoder (codecs/encoded.py)
+            # mp3, opus, flac: the PCM through an encoder (codecs/encoded.py; it refuses a format
+            # this libsndfile lacks, or a rate the format does not take)
             enc = EncodedStream(fmt_name, params.sample_rate) if fmt_name in ENCODED else None
             job = state.tts.new_job(params)
         except RealtimeError as exc:
@@ -311,8 +311,6 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
         voice = None
     rate = {"wav": tts.native_rate, "pcm": 24000, "mulaw": 8000, "mp3": 24000, "opus": 24000,
             "flac": tts.native_rate}[fmt_name]
-    if fmt_name in ENCODED:
-        check_encoded(fmt_name, rate)
     msg = {"type": "start", "format": fmt, "sample_rate": rate, "voice": voice, "speed": body.get("speed"),
            "seed": body.get("seed")}  # (seed: ours, as /v1/tts's: the same audio for the same seed)
     params = parse_start(msg, tts.native_rate)

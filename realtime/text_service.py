@@ -75,6 +75,12 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch
     return chosen, vals, ids
 
 
+def _logprob_lists(lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """``_logprobs``' tensors -> each row's (its token's value, [(id, value)] of the top k)."""
+    chosen, vals, ids = (t.tolist() for t in lp)
+    return [(c, list(zip(i, v))) for c, v, i in zip(chosen, vals, ids)]
+
+
 class StepResult:
     """The tokens of a launched decode step: on CUDA a pinned host copy and an event, so the host can
     launch the next step (which reads its tokens on the device) before it waits for this one."""
@@ -90,13 +96,9 @@ class StepResult:
     def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
         """Each row's (log probability of its token, [(id, log probability)] of the top k), when the
         step was launched with ``logprobs``; else None."""
-        if self._lp is None:
-            return None
-        if self._lp_host is None:
+        if self._lp is not None:
             self.result()
-            chosen, vals, ids = (t.tolist() for t in self._lp)
-            self._lp_host = [(c, list(zip(i, v))) for c, v, i in zip(chosen, vals, ids)]
-            self._lp = (torch.empty(0),) * 3  # (the device tensors freed; the host lists kept)
+            self._lp_host, self._lp = _logprob_lists(self._lp), None  # (the device tensors freed)
         return self._lp_host
 
     def result(self) -> list[int]:
@@ -237,8 +239,7 @@ class BatchDecoder:
             self.counts[slot, first] = 1.0
         self.start_logprobs = None
         if logprobs is not None:
-            lp = StepResult([int(first.item())], logprobs=_logprobs(logits[None], first, logprobs))
-            self.start_logprobs = lp.logprobs()[0]
+            self.start_logprobs = _logprob_lists(_logprobs(logits[None], first, logprobs))[0]
         self.pos[slot] = len(ids)
         self.step_no[slot] = 1
         return int(first.item())  # one read per new request
