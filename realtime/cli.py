@@ -62,23 +62,30 @@ def _have(module: str) -> bool:
 CLI_MODULES = ("realtime.asr_service", "realtime.text_service", "realtime.agent_service", "realtime.image_service")
 
 
-# an output file's suffix -> (libsndfile format, subtype)
-AUDIO_SUFFIXES = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".mp3": ("MP3", "MPEG_LAYER_III"),
-                  ".ogg": ("OGG", "OPUS"), ".opus": ("OGG", "OPUS")}
+# an output file's suffix -> its format: wav, or one of codecs/encoded.py's (their libsndfile settings)
+AUDIO_SUFFIXES = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".ogg": "opus", ".opus": "opus"}
 
 
 def _write_audio(path: str, audio: np.ndarray, rate: int) -> None:
-    """Write by the file's suffix: .wav / .flac (16-bit), .mp3, .ogg / .opus (Ogg Opus)."""
+    """Write by the file's suffix: .wav (16-bit), or .flac, .mp3, .ogg / .opus as /v1/audio/speech encodes them."""
     import soundfile as sf
 
-    from realtime.codecs.encoded import OPUS_RATES
+    from realtime.codecs.encoded import ENCODED, check
+    from realtime.errors import UnsupportedError
 
-    fmt = AUDIO_SUFFIXES.get(Path(path).suffix.lower())
-    if fmt is None:
+    name = AUDIO_SUFFIXES.get(Path(path).suffix.lower())
+    if name is None:
         raise ValueError(f"cannot write '{Path(path).suffix}': use {', '.join(AUDIO_SUFFIXES)}")
-    if fmt[1] == "OPUS" and rate not in OPUS_RATES:
-        raise ValueError(f"opus takes {', '.join(map(str, OPUS_RATES))} Hz; pass --sample-rate 24000")
-    sf.write(path, audio, rate, format=fmt[0], subtype=fmt[1])
+    if name == "wav":
+        sf.write(path, audio, rate, format="WAV", subtype="PCM_16")
+        return
+    try:
+        check(name, rate)
+    except UnsupportedError as exc:
+        raise ValueError(f"{exc.message} (--sample-rate 24000 takes one)") from None
+    fmt, sub, extra, _ = ENCODED[name]
+    with sf.SoundFile(path, "w", samplerate=rate, channels=1, format=fmt, subtype=sub, **extra) as f:
+        f.write(audio)
 
 
 def _say(args: argparse.Namespace) -> int:
