@@ -348,7 +348,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
             for i in (4, 16, 18, 17, 19, 14, 15, 8):
                 log(f"    {dsc.STAT_NAMES[i]:<40} {float(sub[:, i].mean()) / layers:8.0f}")
     rows.append(dict(name="CUDA stack cycle counts", stat_names=list(dsc.STAT_NAMES),
-                     mean=st.mean(0).tolist(), max=st.max(0).values.tolist(), min=st.min(0).values.tolist()))
+                     mean=st.mean(0).tolist(), max=st.max(0).values.tolist(), min=st.min(0).values.tolist(),
+                     per_sm=st.long().tolist()))
 
 
 def main() -> int:
