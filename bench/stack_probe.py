@@ -350,6 +350,23 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
     rows.append(dict(name="CUDA stack cycle counts", stat_names=list(dsc.STAT_NAMES),
                      mean=st.mean(0).tolist(), max=st.max(0).values.tolist(), min=st.min(0).values.tolist(),
                      per_sm=st.long().tolist()))
+    if args.timeline:  # one step's timeline (the timed build): bench/stack_timeline.py reads and sums it
+        import stack_timeline
+        ts = args.timeline
+        trace = torch.zeros(sms, dsc.trace_width(layers, ts), dtype=torch.int64, device=step_x.device)
+        for _ in range(3):  # (the last of a few warm steps: every slot is rewritten each step)
+            trace.zero_()
+            dsc.decode_stack_cuda(w, step_x, pos, cache.k, cache.v, slots, cos, sin, stats=stats, trace=trace)
+        torch.cuda.synchronize()
+        path = Path(args.out).with_suffix(".trace.pt")
+        meta = dict(n_layers=layers, stages=ts, items=items, splits=ns, ring=dsc.ring_stages(w, step_x.device),
+                    device=torch.cuda.get_device_name(), commit=commit(), context=int(cache.k.shape[3]))
+        torch.save(dict(trace=trace.cpu(), **meta), path)
+        summary = stack_timeline.summarize(trace.cpu(), **meta)
+        stack_timeline.report(summary)
+        rows.append(dict(name="CUDA stack timeline", file=path.name, **summary))
+        cache.k.copy_(k0)
+        cache.v.copy_(v0)
 
 
 def main() -> int:
@@ -367,6 +384,9 @@ def main() -> int:
                     help="only the layer path, the Triton stack as served and the CUDA C++ stack's rows")
     ap.add_argument("--lean", action="store_true",
                     help="with --cuda-only: the CUDA stack as served, its probe modes and cycle counts (no variants)")
+    ap.add_argument("--timeline", type=int, default=0, metavar="STAGES",
+                    help="with the CUDA stack's cycle counts: one traced step's timeline of its first STAGES stages an SM "
+                         "(bench/stack_timeline.py; the trace beside --out as .trace.pt)")
     ap.add_argument("--head-rows", type=int, default=None,
                     help="rows of a head after the stack for the one-row-step rows (default: 128256, Llama-3.2's "
                          "LM head, for 1b; 2051, a CSM codebook head, for csm-depth; 0: none)")

@@ -36,7 +36,7 @@ from torch import Tensor
 from ._triton import check
 
 __all__ = ["available", "takes", "every_fits", "every_default", "decode_stack_cuda", "errors", "default_splits", "build", "row_start", "max_rows",
-           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT", "BURST", "BURST_DEFAULT", "burst_of",
+           "head_chunks", "persist_l2", "STATS", "STAT_NAMES", "TRACE_EVENTS", "trace_width", "trace_stages", "L2_KEEP", "L2_AHEAD", "L2_AHEAD_DEFAULT", "BURST", "BURST_DEFAULT", "burst_of",
            "BACKOFF", "BACKOFF_DEFAULT", "backoff_of",
            "auto_l2_keep", "keep_set_aside", "l2_sizes"]
 
@@ -364,7 +364,7 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
                       head: Tensor | None = None, sample: tuple | None = None,
                       token: Tensor | None = None, every: bool | None = None,
                       keep: int | None = None, ahead: int | None = None,
-                      burst: int | None = None) -> Tensor | tuple:
+                      burst: int | None = None, trace: Tensor | None = None) -> Tensor | tuple:
     """``decode_stack.decode_stack`` for one bf16 row on an sm_90 GPU (``w`` a ``StackWeights``).
     ``splits`` (key splits a kv head) and ``stages`` (the ring's 16 KB stages) default to
     ``default_splits`` and as many as fit; ``programs`` to one a SM (all must be resident).
@@ -397,7 +397,9 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     For probes: ``stats`` (int64 [programs, STATS]) receives each SM's cycle counts (see
     ``STAT_NAMES``); ``mode`` 1 reads the rows other SMs hand over once, without polling for
     them, 2 also skips the arithmetic (the weights still stream), 3 skips the polls and the
-    attention: the step's results are then wrong, and the caches must be restored."""
+    attention: the step's results are then wrong, and the caches must be restored. ``trace`` (int64
+    [programs, trace_width(L, ts)], with ``stats``): the step's timeline (see ``TRACE_EVENTS`` and
+    bench/stack_timeline.py), for its first ``ts`` stages an SM."""
     m, dim = x.shape
     nl, nqkv, wdim = w.qkv.shape
     h, hkv, hd = w.n_heads, w.n_kv_heads, w.head_dim
@@ -459,13 +461,19 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
         check(stats.is_cuda and stats.dtype == torch.int64 and stats.shape == (p, STATS) and stats.is_contiguous(),
               f"stats: int64 [{p}, {STATS}] on the GPU")
     check(mode in (0, 1, 2, 3), f"mode is 0, 1, 2 or 3, got {mode}")
+    ts = 0
+    if trace is not None:
+        check(stats is not None, "a trace comes with stats (the timed build)")
+        ts = trace_stages(nl, trace.shape[-1])
+        check(trace.is_cuda and trace.dtype == torch.int64 and trace.dim() == 2 and trace.shape[0] == p
+              and ts > 0 and trace.is_contiguous(), f"trace: int64 [{p}, trace_width(L, stages)] on the GPU")
     sp = [0] * 6 if sample is None else [*(t.data_ptr() for t in sample[:4]), int(sample[4]), token.data_ptr()]
-    a = (ctypes.c_int64 * 39)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    a = (ctypes.c_int64 * 40)(*[t.data_ptr() for t in ptrs], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                               k_cache.stride(3), cos.stride(0), 0 if stats is None else stats.data_ptr(),
                               0 if x_index is None else x_index.data_ptr(), int(x_offset), m,
                               0 if head is None else head.data_ptr(),
                               0 if logits is None else (sc.logits if sample is not None else logits).data_ptr(), *sp,
-                              0 if sample is None else logits.data_ptr())
+                              0 if sample is None else logits.data_ptr(), 0 if trace is None else trace.data_ptr())
     f = (ctypes.c_float * 2)(float(w.eps), (1.0 / math.sqrt(hd)) * math.log2(math.e))
     fl = INFLIGHT if inflight is None else inflight
     check(0 <= fl, f"inflight must be >= 0, got {fl}")
@@ -476,14 +484,34 @@ def decode_stack_cuda(w, x: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tenso
     check(0 <= pf <= 1 << 20, f"ahead must be a count of stages >= 0, got {pf}")
     bu = burst_of(w, burst)
     check(0 <= bu <= 1 << 20, f"burst must be a count of copies >= 0, got {bu}")
-    n = (ctypes.c_int * 19)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
-                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp), int(pf), int(bu))
+    n = (ctypes.c_int * 20)(nl, dim, h, hkv, hd, inter, k_cache.shape[3], ns, n_stages, mode, fl or n_stages, balance,
+                            nap, v, head_chunks(v, dim, p, hkv * ns, balance), int(every), int(kp), int(pf), int(bu), ts)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     err = dll.realtime_stack_launch(a, f, n, p, smem, ctypes.c_void_p(stream), int(pdl))
     check(err == 0, f"decode_stack_cuda launch failed: {dll.realtime_stack_error_string(err).decode()}")
     if sample is not None:
         return out, logits, token
     return out if logits is None else (out, logits)
+
+
+# A trace's events a layer, in the kernel's order (Ev in the .cu): thread 0's clock and the global
+# timer after each
+TRACE_EVENTS = ("residual polled (q|k|v's input)", "q|k|v put", "attention done", "heads polled (o's input)",
+                "residual after o put", "residual polled (gate|up's input)", "activation put",
+                "activation polled (down's input)", "residual after down put", "q|k|v polled (the attention)",
+                "partials polled (split 0)")
+
+
+def trace_width(n_layers: int, stages: int) -> int:
+    """int64 a row of a trace (one SM's): 4 per stage (the producer's room and issue, the consumers'
+    ask and have), 2 per event a layer, and the SM's (clock, globaltimer) at its start and end."""
+    return 4 * stages + 2 * n_layers * len(TRACE_EVENTS) + 4
+
+
+def trace_stages(n_layers: int, width: int) -> int:
+    """The stages a trace row of ``width`` holds (0 where the width fits none)."""
+    rest = width - 2 * n_layers * len(TRACE_EVENTS) - 4
+    return rest // 4 if rest > 0 and rest % 4 == 0 else 0
 
 
 def burst_of(w, burst: int | None = None) -> int:  # noqa: ANN001

@@ -131,7 +131,22 @@ struct Params {
   int64_t s_add;
   int64_t* tok;
   __nv_bfloat16* lgout;  // [V] with a token: the logits for the caller (see below), else null
+  // A probe's timeline of one step (the timed build only; null: none): per SM, TRACE_W(L, TS) int64
+  // (see trace_width): the producer's clock when it had a copy's in-flight room and when it issued
+  // the copy, the consumers' (thread 0's) when they asked for a stage's bytes and when they had
+  // them, for the step's first TS stages; then per layer kEvents (clock, globaltimer) pairs at the
+  // phases' edges (see Ev); then the (clock, globaltimer) of the SM's start and end
+  long long* trace;
+  int trace_stages;
 };
+
+// The trace's events a layer (Params::trace), thread 0's clock after: the residual polled (Q's
+// input), q|k|v's rows put, the attention done (the SMs that attend), the heads polled (O's input),
+// the residual after o put, it polled (G's input), the activation put, it polled (D's input), the
+// residual after down put; q|k|v polled in the attention; split 0's partials polled
+enum Ev { kEvQIn, kEvQkvPut, kEvAttDone, kEvOIn, kEvResoPut, kEvGIn, kEvActPut, kEvDIn, kEvResdPut, kEvAttQkv,
+          kEvMerge, kEvents };
+__host__ __device__ inline int trace_width(int L, int ts) { return 4 * ts + 2 * L * kEvents + 4; }
 
 // The query heads an SM attends with and their kv heads: all of them with Params::every, else the G
 // query heads of one kv head (one helper for att_setup and the launch's scratch size)
@@ -400,6 +415,12 @@ __device__ __forceinline__ uint32_t now() {  // (32 bits: one register; differen
   return 0;
 }
 
+__device__ __forceinline__ long long gtimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // A position in the ring: stage slot and the parity of its use (no division on the hot path)
 struct RingPos {
   int slot = 0;
@@ -493,6 +514,9 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
       mbar_wait(&ring.full[back.slot], back.par);
       back.advance(ring.n);
     }
+    long long* tr = kTimed && p.trace && g < (uint32_t)p.trace_stages
+        ? p.trace + (int64_t)pid * trace_width(p.L, p.trace_stages) + g : nullptr;
+    if (kTimed && tr) tr[0] = clock64();
     if (p.ahead > 0 && !mbar_test(&ring.empty[at.slot], at.par ^ 1))
       prefetch_while_full(p, &ring.empty[at.slot], at.par ^ 1, pre, ga, g);
     mbar_wait(&ring.empty[at.slot], at.par ^ 1);
@@ -504,6 +528,7 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
       const bool kept = p.keep > 0 && walk.l < p.L && g % (uint32_t)p.keep == 0;
       bulk_copy_hint(ring.buf + (size_t)at.slot * kStageElems, src, bytes, &ring.full[at.slot], kept ? keep_pol : pass_pol);
     }
+    if (kTimed && tr) tr[p.trace_stages] = clock64();
     at.advance(ring.n);
     ++g;
   }
@@ -527,6 +552,16 @@ struct Consumer {
   uint32_t want = 0;    // the LL flag of this step's current layer
   int pos0 = 0, slot0 = 0;  // the step's position and cache slot (read once)
   bool broken = false;  // a poll of this thread's timed out (flagged): it waits no more
+  int gc = 0;           // stages consumed this step (the trace's index)
+  long long* trc = nullptr;  // thread 0's row of Params::trace (the timed build), else null
+
+  __device__ void ev(int l, int e) {  // a trace event of layer l (Ev)
+    if (kTimed && trc && l < p.L) {
+      long long* r = trc + 4 * p.trace_stages + 2 * (l * kEvents + e);
+      r[0] = clock64();
+      r[1] = gtimer();
+    }
+  }
 
   __device__ void tally(int i, uint32_t v) {
     if (kTimed && tid == 0) st[i] += v;
@@ -678,8 +713,12 @@ struct Consumer {
   __device__ float stage_lanes(const Slice& s, int i, const float (&xr)[32]) {
     const int slot = at.slot;
     uint32_t t0 = now<kTimed>();
+    long long* tr = kTimed && trc && gc < p.trace_stages ? trc + gc : nullptr;
+    if (kTimed) ++gc;
+    if (kTimed && tr) tr[2 * p.trace_stages] = clock64();
     mbar_wait(&ring.full[at.slot], at.par);
     at.advance(ring.n);
+    if (kTimed && tr) tr[3 * p.trace_stages] = clock64();
     uint32_t t1 = now<kTimed>();
     tally(2, t1 - t0);
     tally(11, 1);
@@ -878,6 +917,7 @@ struct Consumer {
       }
       const uint32_t tr = now<kTimed>();
       tally(4, tr - tq);
+      ev(l, kEvAttQkv);
       float qa[kRopeIt], qb[kRopeIt];
 #pragma unroll
       for (int it = 0; it < kRopeIt; ++it) {
@@ -1101,6 +1141,7 @@ struct Consumer {
       if (e0 == 0) {
         consumers_sync();
         tally(15, now<kTimed>() - tm);
+        ev(l, kEvMerge);
       }
       if (!mine) continue;
       const float* mh = mls + gh * kMaxSplits * 2;
@@ -1157,7 +1198,18 @@ struct Consumer {
 
   __device__ void run() {
     uint32_t t_start = now<kTimed>();
+    long long* cal = nullptr;  // the trace's (clock, globaltimer) at the start and the end
+    if (kTimed && p.trace && tid == 0) {
+      trc = p.trace + (int64_t)pid * trace_width(p.L, p.trace_stages);
+      cal = trc + trace_width(p.L, p.trace_stages) - 4;
+      cal[0] = clock64();
+      cal[1] = gtimer();
+    }
     run_layers();
+    if (kTimed && cal) {
+      cal[2] = clock64();
+      cal[3] = gtimer();
+    }
     if (kTimed && tid == 0) {
       st[9] = now<kTimed>() - t_start;
       for (int i = 2; i < kStats; ++i) p.stats[pid * kStats + i] = st[i];
@@ -1207,6 +1259,7 @@ struct Consumer {
         }
         uint32_t tn = now<kTimed>();
         tally(3, tn - t0);
+        ev(l, kEvQIn);
         norm_x(wr, p.DIM, xr);
         tally(10, now<kTimed>() - tn);
       }
@@ -1223,10 +1276,12 @@ struct Consumer {
       }
       put_rows(p.qkv, sq, [&](int r) { return row_sum(sq, 0, r); });
       tally(13, now<kTimed>() - te);
+      ev(l, kEvQkvPut);
       // A
       if (attends) {
         uint32_t t0 = now<kTimed>();
         attention(l, pid);
+        ev(l, kEvAttDone);
         // the next layer's first block of keys, copied ahead a whole layer before its attention
         // (its rows are earlier steps'; this layer's attention is done with the buffer)
         if (l + 1 < p.L) att_prefetch(att_setup(l + 1, pid));
@@ -1242,12 +1297,14 @@ struct Consumer {
           load_x_ll(p.attn, hhd, want, xr);
         }
         tally(5, now<kTimed>() - t0);
+        ev(l, kEvOIn);
       }
       slice_stages(so, 0, xr);
       te = now<kTimed>();
       consumers_sync();
       add_residual(p.reso, so, l == 0, resid);
       tally(13, now<kTimed>() - te);
+      ev(l, kEvResoPut);
       // G
       const Slice sg = sl(l, 2), su = sl(l, 3);
       if (sg.n > 0) {
@@ -1256,6 +1313,7 @@ struct Consumer {
         load_x_ll(p.reso, p.DIM, want, xr);
         uint32_t tn = now<kTimed>();
         tally(6, tn - t0);
+        ev(l, kEvGIn);
         norm_x(wr, p.DIM, xr);
         tally(10, now<kTimed>() - tn);
       }
@@ -1273,6 +1331,7 @@ struct Consumer {
         return sv * bf(row_sum(su, up, r));
       });
       tally(13, now<kTimed>() - te);
+      ev(l, kEvActPut);
       // D
       if (l == p.L - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
       const Slice sd = sl(l, 4);
@@ -1280,12 +1339,14 @@ struct Consumer {
         uint32_t t0 = now<kTimed>();
         load_x_ll(p.act, p.I, want, xr);
         tally(7, now<kTimed>() - t0);
+        ev(l, kEvDIn);
       }
       slice_stages(sd, 0, xr);
       te = now<kTimed>();
       consumers_sync();
       add_residual(p.resd, sd, false, resid);
       tally(13, now<kTimed>() - te);
+      ev(l, kEvResdPut);
     }
     want = epoch * (uint32_t)p.L + (uint32_t)p.L;  // (the last layer's flag: the head's chunks moved it on)
     if (pid == 0) {  // the final norm of the last layer's residual rows
@@ -1551,9 +1612,9 @@ int realtime_stack_max_parts() { return kMaxParts; }
 int realtime_stack_threads() { return kThreads; }
 
 // a: pointers and int64 strides (see Params, in order; then stats or 0; then xidx or 0, xoff, xrows,
-// whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0, lgout or 0), f: eps and qk_scale,
-// n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight, balance, backoff, V,
-// nhead, every, keep, ahead, burst). Returns a cudaError_t.
+// whead or 0, logits; then s_temp, s_topk, s_seed, s_step, s_add, tok or 0, lgout or 0; then trace or 0),
+// f: eps and qk_scale, n: the int fields (L, DIM, H, HKV, HD, I, TMAX, NS, nstages, mode, inflight,
+// balance, backoff, V, nhead, every, keep, ahead, burst, trace_stages). Returns a cudaError_t.
 int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int grid, int smem, void* stream, int pdl) {
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(a[0]);
@@ -1616,6 +1677,8 @@ int realtime_stack_launch(const int64_t* a, const float* f, const int* n, int gr
   p.s_add = a[36];
   p.tok = reinterpret_cast<int64_t*>(a[37]);
   p.lgout = reinterpret_cast<__nv_bfloat16*>(a[38]);
+  p.trace = reinterpret_cast<long long*>(a[39]);
+  p.trace_stages = n[19];
   static int smem_set[2] = {-1, -1};  // the attribute is set once per build and size (not on every launch)
   const bool timed = p.stats != nullptr;
   cudaError_t e;

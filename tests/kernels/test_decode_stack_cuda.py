@@ -332,6 +332,48 @@ def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: di
     assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
 
 
+@pytest.mark.gpu
+def test_traced_step_is_the_step_and_its_timeline_is_ordered() -> None:
+    """A probe's traced step (stats and a timeline, the timed build) gives the step's output and
+    caches bit for bit, and its timeline is in order: every copy issued after the producer had room
+    for it, in stage order; every stage had after it was asked for; the SM's events inside its start
+    and end; the trace's stages an SM as many as the weight schedule walks."""
+    if not dsc.available():
+        pytest.skip("needs an sm_90 GPU and nvcc")
+    model = _model(3)
+    cache, slots = _prefilled(model, 70, slot=0)
+    x = torch.randn(1, CFG.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([70], device="cuda")
+    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    want = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
+    wk, wv = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k0)
+    cache.v.copy_(v0)
+    p = torch.cuda.get_device_properties(0).multi_processor_count
+    nl = model.stack.qkv.shape[0]
+    stats = torch.zeros(p, dsc.STATS, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(p, dsc.trace_width(nl, 4096), dtype=torch.int64, device="cuda")
+    got = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, stats=stats, trace=trace)
+    torch.cuda.synchronize()
+    assert dsc.errors(model.stack) == 0
+    assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
+    t = trace.cpu()
+    ts = 4096
+    room, issue, ask, have = t[:, :ts], t[:, ts:2 * ts], t[:, 2 * ts:3 * ts], t[:, 3 * ts:4 * ts]
+    cal = t[:, -4:]
+    assert bool((cal[:, 2] > cal[:, 0]).all() and (cal[:, 3] > cal[:, 1]).all())
+    for s in range(p):
+        n = int((issue[s] > 0).sum())
+        assert n == int(stats[s, 11]) and n > 0  # every stage the consumers counted was issued and traced
+        assert bool((issue[s, :n] >= room[s, :n]).all()) and bool((issue[s, 1:n] >= issue[s, : n - 1]).all())
+        assert bool((have[s, :n] >= ask[s, :n]).all()) and bool((ask[s, 1:n] >= have[s, : n - 1]).all())
+        ev = t[s, 4 * ts: -4].reshape(nl, len(dsc.TRACE_EVENTS), 2)[..., 0]
+        stamped = ev[ev > 0]
+        assert bool((stamped >= cal[s, 0]).all() and (stamped <= cal[s, 2]).all())
+        assert int(ev[:, 8].gt(0).sum()) == nl  # every SM puts its residual rows' end every layer
+
+
 def test_every_sm_attends_where_the_heads_fit() -> None:
     """Every SM attends to all the heads itself (no hand-over of the heads) for the CSM depth
     decoder's layout at its short caches, not for a Llama layout or a long cache."""
@@ -719,3 +761,68 @@ def test_stack_ab_best_names_the_variables_of_a_runs_best_setting(tmp_path) -> N
     res = subprocess.run([sys.executable, str(script), "--best", str(tmp_path / "none.json")], capture_output=True,
                          text=True, timeout=120)  # (a scan that wrote nothing)
     assert res.returncode == 2 and "cannot read a recorded run" in res.stderr and "Traceback" not in res.stderr
+
+
+def _synthetic_trace(off3: int = 50_000) -> torch.Tensor:
+    """A made-up timeline of 4 SMs, 2 layers, 8 stages (bench/stack_timeline.py's layout): SMs 0 and 1
+    attend (kv head 0, splits 0 and 1), 1 cycle a ns, SM 3's clock ``off3`` cycles ahead of the
+    global timer; one stall of the ring, SM 2's stage 3, 500 cycles inside layer 0's attention chain."""
+    nl, ts, ne = 2, 8, 11
+    t = torch.zeros(4, 4 * ts + 2 * nl * ne + 4, dtype=torch.int64)
+    heads_read = {0: 3000, 1: 3200, 2: 3300, 3: 3700}  # o's input polled, after the layer's start
+    for s in range(4):
+        off = off3 if s == 3 else 0
+        row = t[s]
+        for g in range(6):
+            issue = 1000 + 200 * g + (1400 if s == 2 and g >= 3 else 0)  # (SM 2's stage 3 at 3000)
+            row[ts + g] = issue + off
+            row[g] = (issue - (500 if s == 2 and g == 3 else 0)) + off  # room
+            row[2 * ts + g] = 1100 + 250 * g + off
+            row[3 * ts + g] = 1110 + 250 * g + off
+        for l in range(nl):
+            at = {0: 100, 1: 1000, 3: heads_read[s], 4: 3500, 5: 4000, 6: 7000, 7: 7500, 8: 9500}
+            if s < 2:
+                at.update({9: 1500, 2: 2000 if s == 0 else 1900})
+            if s == 0:
+                at[10] = 1800
+            for e, v in at.items():
+                c = 1000 + l * 10_000 + v
+                row[4 * ts + 2 * (l * ne + e)] = c + off
+                row[4 * ts + 2 * (l * ne + e) + 1] = c
+        row[-4:] = torch.tensor([1000 + off, 1000, 21_000 + off, 21_000])
+    return t
+
+
+def test_stack_timeline_sums_a_known_trace(tmp_path) -> None:
+    """bench/stack_timeline.py on a made-up trace: the ring's stall is found and put in the
+    attention's chain, the heads' hand-over latency is the readers' after the last writer on the
+    global timer (an SM whose clock is offset agrees), and the script reads a saved trace and plots it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import stack_timeline as st
+
+    s = st.summarize(_synthetic_trace(), n_layers=2, stages=8, items=2, splits=2, ring=4)
+    assert s["clock_hz"] == pytest.approx(1e9)
+    assert s["mean"]["ring_full_us"] == pytest.approx(0.5 / 4)
+    by = s["ring_full_us_by_segment"]
+    assert by["attention chain, to the heads"] == pytest.approx(0.5 / 4)
+    assert sum(by.values()) == pytest.approx(0.5 / 4)
+    assert s["worst_ring_full"]["sm"] == 2
+    h = s["handovers"]["heads -> o"]
+    assert h["readers_median_us"] == pytest.approx(1.2) and h["readers_slowest_us"] == pytest.approx(1.7)
+    assert h["writers_spread_us"] == pytest.approx(0.0)
+    p = s["handovers"]["partials -> split 0"]  # split 1 done at 1900, split 0 polled them at 1800 + ...
+    assert p["readers_median_us"] == pytest.approx(-0.1)
+    assert s["segment_us_a_layer"]["gate|up stages"] == pytest.approx(3.0)
+    # the same with SM 3's clock not offset: the global timer's view does not change
+    again = st.summarize(_synthetic_trace(0), n_layers=2, stages=8, items=2, splits=2, ring=4)["handovers"]
+    assert again.keys() == s["handovers"].keys()
+    for k, v in again.items():
+        assert v == pytest.approx(s["handovers"][k]), k
+    f = tmp_path / "run.trace.pt"
+    torch.save(dict(trace=_synthetic_trace(), n_layers=2, stages=8, items=2, splits=2, ring=4, device="made up",
+                    commit="x"), f)
+    script = Path(__file__).resolve().parents[2] / "bench" / "stack_timeline.py"
+    res = subprocess.run([sys.executable, str(script), str(f), "--plot", str(tmp_path / "t.png"), "--layers", "0", "1"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "heads -> o" in res.stdout and (tmp_path / "t.png").stat().st_size > 10_000
