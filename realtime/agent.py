@@ -186,24 +186,41 @@ class History:
         self.max_messages = max_messages
         self.max_chars = max_chars
         self.items: list[dict[str, str]] = []  # mutable dicts: truncation edits them in place
+        self.ids: list[str | None] = []  # each item's conversation item id (None: none given)
 
-    def add(self, role: str, content: str) -> dict[str, str]:
+    def add(self, role: str, content: str, item_id: str | None = None) -> dict[str, str]:
         msg = {"role": role, "content": content}
         self.items.append(msg)
+        self.ids.append(item_id)
         self._trim()
         return msg
+
+    def delete(self, item_id: str) -> tuple[bool, str | None]:
+        """Removes the item with this id: (whether it was held, the id of the item before it, or
+        None). An item the bounds already dropped is not held."""
+        if item_id not in self.ids:
+            return False, None
+        i = self.ids.index(item_id)
+        del self.items[i], self.ids[i]
+        # (no trim: an assistant item left first stays, for the client; messages() skips it)
+        return True, next((x for x in reversed(self.ids[:i]) if x), None)
 
     def _trim(self) -> None:
         while len(self.items) > self.max_messages or (
                 len(self.items) > 1 and sum(len(m["content"]) for m in self.items) > self.max_chars):
             self.items.pop(0)
+            self.ids.pop(0)
         # a chat template wants a user turn first after the system prompt
         while self.items and self.items[0]["role"] == "assistant":
             self.items.pop(0)
+            self.ids.pop(0)
 
     def messages(self, system: str, extra: tuple[dict[str, str], ...] = ()) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": system}]
-        msgs += [dict(m) for m in self.items if m["content"].strip()]
+        kept = [m for m in self.items if m["content"].strip()]
+        while kept and kept[0]["role"] == "assistant":  # (a chat template wants a user turn first)
+            kept.pop(0)
+        msgs += [dict(m) for m in kept]
         msgs += [dict(m) for m in extra]
         if len(msgs) == 1:  # nothing said yet (a response.create on an empty conversation)
             msgs.append({"role": "user", "content": "Hello."})
@@ -428,7 +445,7 @@ class AgentSession:
         self._pending_text.clear()
         self._user_item = None
         if text:
-            self.history.add("user", text)
+            self.history.add("user", text, item)
         self.emit(UserTurn(item, text, int(self.audio_in_ms), committed_by_client=True))
         return item
 
@@ -449,8 +466,22 @@ class AgentSession:
         self._new_asr_job()
 
     # ---- text in ----
-    def add_item(self, role: str, text: str) -> None:
-        self.history.add(role, text)
+    def add_item(self, role: str, text: str, item_id: str | None = None) -> None:
+        self.history.add(role, text, item_id)
+
+    def delete_item(self, item_id: str) -> str | None:
+        """Takes a conversation item out of what the model sees; returns the id of the item before
+        it (None: none). ProtocolError where no held item has this id: unknown, already dropped by
+        the history's bounds, or the reply still being spoken (cancel it first)."""
+        r = self.response
+        if r is not None and r.item_id == item_id:
+            raise ProtocolError(f"item '{item_id[:40]}' is the response in progress: cancel it first",
+                                code="item_in_progress")
+        held, before = self.history.delete(item_id)
+        if not held:
+            raise ProtocolError(f"no conversation item '{item_id[:40]}' (unknown, or no longer in the kept history)",
+                                code="item_not_found")
+        return before
 
     # ---- ASR events ----
     async def _asr_loop(self, job: "ASRJob", wake: asyncio.Event) -> None:
@@ -514,7 +545,7 @@ class AgentSession:
                 return  # noise the VAD took for speech: no turn
             t_final = time.monotonic()
             spec = self._spec
-            self.history.add("user", text)
+            self.history.add("user", text, item)
             self.emit(UserTurn(item, text, self._speech_end_ms))
             if spec is not None:
                 if (_same_words(spec.user_text, text) and self.response is None
@@ -829,7 +860,7 @@ class AgentSession:
             self._rate_ms += r.audio_ms
         if r.conversation == "auto":
             # kept even when empty (not sent to the LLM then): a later truncate edits it in place
-            r.history_msg = self.history.add("assistant", spoken)
+            r.history_msg = self.history.add("assistant", spoken, r.item_id)
         done = r.done_ev
         tts = r.tts_job
         st = r.tracker.stats()

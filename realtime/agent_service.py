@@ -259,7 +259,7 @@ class OpenAIRealtimeSession(_AgentBridge):
             await self.send(oa.event("input_audio_buffer.cleared"))
         elif isinstance(ev, oa.ItemCreate):
             iid = ev.item_id or f"item_{uuid.uuid4().hex[:20]}"
-            agent.add_item(ev.role, ev.text)
+            agent.add_item(ev.role, ev.text, iid)
             item = (oa.user_item(iid, "completed", ev.text, text=True) if ev.role != "assistant"
                     else {**oa.assistant_item(iid, "completed", None),
                           "content": [{"type": "output_text", "text": ev.text}]})
@@ -272,6 +272,11 @@ class OpenAIRealtimeSession(_AgentBridge):
             agent.truncate(ev.item_id, ev.audio_end_ms)
             await self.send(oa.event("conversation.item.truncated", item_id=ev.item_id,
                                      content_index=ev.content_index, audio_end_ms=ev.audio_end_ms))
+        elif isinstance(ev, oa.ItemDelete):
+            before = agent.delete_item(ev.item_id)
+            if self.prev_item == ev.item_id:
+                self.prev_item = before
+            await self.send(oa.event("conversation.item.deleted", item_id=ev.item_id))
         elif isinstance(ev, oa.ResponseCreate):
             agent.create_response(instructions=ev.instructions, max_tokens=ev.max_output_tokens,
                                   metadata=ev.metadata, conversation=ev.conversation, extra=ev.extra_input)

@@ -3,6 +3,7 @@ typed), server events out (plain dicts in the GA schema of ``openai.types.realti
 
 Supported client events: ``session.update``, ``input_audio_buffer.append`` / ``commit`` /
 ``clear``, ``conversation.item.create`` (text messages), ``conversation.item.truncate``,
+``conversation.item.delete`` (an item the conversation still holds; the model no longer sees it),
 ``response.create``, ``response.cancel``. Any other (valid JSON) event is answered with an
 ``error`` event by the session and the connection stays open.
 
@@ -35,9 +36,9 @@ MAX_OUTPUT_TOKENS = 4096
 
 CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
                  "input_audio_buffer.clear", "conversation.item.create", "conversation.item.truncate",
-                 "response.create", "response.cancel")
+                 "conversation.item.delete", "response.create", "response.cancel")
 # Part of the API, not served here: answered with an 'unsupported' error, not 'unknown event'.
-KNOWN_UNSUPPORTED = ("conversation.item.delete", "conversation.item.retrieve", "output_audio_buffer.clear",
+KNOWN_UNSUPPORTED = ("conversation.item.retrieve", "output_audio_buffer.clear",
                      "transcription_session.update", "session.close")
 
 
@@ -282,6 +283,11 @@ class ItemTruncate:
 
 
 @dataclass(frozen=True)
+class ItemDelete:
+    item_id: str
+
+
+@dataclass(frozen=True)
 class ResponseCreate:
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -295,7 +301,7 @@ class ResponseCancel:
     response_id: str | None
 
 
-ClientEvent = (SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemTruncate
+ClientEvent = (SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemTruncate | ItemDelete
                | ResponseCreate | ResponseCancel)
 
 
@@ -380,6 +386,11 @@ def parse_client_event(msg: dict[str, Any]) -> ClientEvent:
         if isinstance(ci, bool) or not isinstance(ci, int) or ci != 0:
             raise _bad("'content_index' must be 0 (one audio part per item)", "invalid_value", "content_index")
         return ItemTruncate(iid, ci, end)
+    if kind == "conversation.item.delete":
+        iid = msg.get("item_id")
+        if not isinstance(iid, str) or not iid:
+            raise _bad("conversation.item.delete needs 'item_id'", "missing_required_parameter", "item_id")
+        return ItemDelete(iid)
     if kind == "response.create":
         r = msg.get("response") or {}
         if not isinstance(r, dict):

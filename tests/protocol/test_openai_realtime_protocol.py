@@ -25,7 +25,9 @@ def test_audio_append_commit_clear() -> None:
     ({}, ProtocolError, "missing_required_parameter"),
     ({"type": 3}, ProtocolError, "missing_required_parameter"),
     ({"type": "nope"}, ProtocolError, "unknown_event"),
-    ({"type": "conversation.item.delete", "item_id": "x"}, UnsupportedError, "unsupported"),
+    ({"type": "conversation.item.retrieve", "item_id": "x"}, UnsupportedError, "unsupported"),
+    ({"type": "conversation.item.delete"}, ProtocolError, "missing_required_parameter"),
+    ({"type": "conversation.item.delete", "item_id": 7}, ProtocolError, "missing_required_parameter"),
     ({"type": "output_audio_buffer.clear"}, UnsupportedError, "unsupported"),
     ({"type": "input_audio_buffer.append"}, ProtocolError, "missing_required_parameter"),
     ({"type": "input_audio_buffer.append", "audio": "!!"}, ProtocolError, "invalid_value"),
@@ -62,6 +64,7 @@ def test_items_truncate_response_events() -> None:
     ev = oa.parse_client_event({"type": "conversation.item.truncate", "item_id": "item_2", "content_index": 0,
                                 "audio_end_ms": 1500})
     assert ev == oa.ItemTruncate("item_2", 0, 1500)
+    assert oa.parse_client_event({"type": "conversation.item.delete", "item_id": "item_3"}) == oa.ItemDelete("item_3")
     ev = oa.parse_client_event({"type": "response.create"})
     assert ev == oa.ResponseCreate()
     ev = oa.parse_client_event({"type": "response.create", "response": {
@@ -131,7 +134,7 @@ def test_voice_locked_after_audio() -> None:
 
 def test_server_events_parse_with_the_openai_sdk() -> None:
     """Our server events, read by the SDK's own parser, give the typed models with our values."""
-    from openai.types.realtime import (ConversationItemTruncatedEvent, RealtimeErrorEvent, ResponseAudioDeltaEvent,
+    from openai.types.realtime import (ConversationItemDeletedEvent, ConversationItemTruncatedEvent, RealtimeErrorEvent, ResponseAudioDeltaEvent,
                                        ResponseDoneEvent, SessionCreatedEvent)
     from openai.types.realtime.realtime_server_event import RealtimeServerEvent
     from openai._models import construct_type
@@ -157,6 +160,8 @@ def test_server_events_parse_with_the_openai_sdk() -> None:
     assert done.response.model_extra["realtime_metrics"] == {"turn_latency_ms": 700.0}
     t = parse(oa.event("conversation.item.truncated", item_id="i", content_index=0, audio_end_ms=300))
     assert isinstance(t, ConversationItemTruncatedEvent) and t.audio_end_ms == 300
+    d = parse(oa.event("conversation.item.deleted", item_id="i"))
+    assert isinstance(d, ConversationItemDeletedEvent) and d.item_id == "i"
     exc = UnsupportedError("nope")
     e = parse(oa.error_event(exc, "evt_7"))
     assert isinstance(e, RealtimeErrorEvent) and e.error.code == "unsupported" and e.error.event_id == "evt_7"

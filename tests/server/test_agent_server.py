@@ -214,7 +214,7 @@ def test_unsupported_events_get_error_events_and_the_session_goes_on(live) -> No
                     if ev["type"] == "error":
                         assert ev["error"]["code"] == code, ev
                         return ev
-            ev = await expect_error(json.dumps({"type": "conversation.item.delete", "event_id": "e1",
+            ev = await expect_error(json.dumps({"type": "conversation.item.retrieve", "event_id": "e1",
                                                 "item_id": "x"}), "unsupported")
             assert ev["error"]["event_id"] == "e1"
             await expect_error(json.dumps({"type": "no.such.event"}), "unknown_event")
@@ -225,6 +225,7 @@ def test_unsupported_events_get_error_events_and_the_session_goes_on(live) -> No
                 "type": "realtime", "audio": {"output": {"voice": "nobody"}}}}), "unsupported")
             await expect_error(json.dumps({"type": "conversation.item.truncate", "item_id": "item_nope",
                                            "content_index": 0, "audio_end_ms": 10}), "item_not_found")
+            await expect_error(json.dumps({"type": "conversation.item.delete", "item_id": "item_nope"}), "item_not_found")
             await expect_error(json.dumps({"type": "response.cancel"}), "response_cancel_not_active")
             await expect_error(json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}), "invalid_frame")
             # still open: a text turn in μ-law output gets a spoken reply
@@ -249,6 +250,52 @@ def test_unsupported_events_get_error_events_and_the_session_goes_on(live) -> No
             pcm = ulaw_decode(np.frombuffer(bytes(audio), np.uint8)) / 32768.0
             assert len(pcm) > 0.3 * 8000 and rms(pcm) > 0.01
             assert resp["realtime_metrics"]["turn_latency_ms"] is None  # no speech turn to measure from
+
+    asyncio.run(run())
+
+
+def test_deleted_item_leaves_what_the_model_sees(live) -> None:  # noqa: ANN001
+    """conversation.item.delete: the server answers conversation.item.deleted, the next item's
+    previous_item_id skips the deleted one, and the next response's prompt is shorter by the deleted
+    item (usage.input_tokens falls although the conversation has grown by a reply); deleting it
+    again is item_not_found."""
+    long = "Remember these words for later: " + ", ".join(f"word{i}" for i in range(40)) + "."
+
+    async def run() -> None:
+        async with websockets.connect(f"{live.ws}/v1/realtime") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+
+            async def until(kind: str) -> dict:
+                while True:
+                    ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                    if ev["type"] == "error":
+                        raise AssertionError(ev)
+                    if ev["type"] == kind:
+                        return ev
+
+            async def create(iid: str, text: str) -> dict:
+                await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                    "id": iid, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+                return await until("conversation.item.done")
+
+            async def respond() -> int:
+                await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 2}}))
+                return (await until("response.done"))["response"]["usage"]["input_tokens"]
+
+            await create("item_a", long)
+            await create("item_b", "Say hello.")
+            with_a = await respond()
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item_a"}))
+            assert (await until("conversation.item.deleted"))["item_id"] == "item_a"
+            without_a = await respond()
+            assert without_a < with_a - 40, (with_a, without_a)  # the 40 words left; a 2-token reply came in
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item_a"}))
+            err = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert err["type"] == "error" and err["error"]["code"] == "item_not_found"
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item_c_missing"}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"] == "item_not_found"
+            c = await create("item_c", "And goodbye.")
+            assert c["previous_item_id"] not in ("item_a", None)
 
     asyncio.run(run())
 
@@ -298,8 +345,19 @@ def test_history_is_bounded_and_truncation_cuts_at_words() -> None:
         h.add("user", f"question {i}")
         h.add("assistant", f"answer {i}")
     assert len(h.items) <= 4 and h.items[0]["role"] == "user" and h.items[-1]["content"] == "answer 5"
-    h.add("user", "x" * 100)  # one long message: everything older goes, the message stays
-    assert [m["content"] for m in h.items] == ["x" * 100]
+    h.add("user", "x" * 100, "item_x")  # one long message: everything older goes, the message stays
+    assert [m["content"] for m in h.items] == ["x" * 100] and h.ids == ["item_x"]
+    d = History(max_messages=8, max_chars=1000)  # deleted items leave, ids kept in step with them
+    for i, role in enumerate(("user", "assistant", "user")):
+        d.add(role, f"m{i}", f"item_{i}")
+    assert d.delete("item_1") == (True, "item_0") and d.delete("item_1") == (False, None)
+    assert [m["content"] for m in d.items] == ["m0", "m2"] and d.ids == ["item_0", "item_2"]
+    d.add("assistant", "m3", "item_3")
+    assert d.delete("item_2") == (True, "item_0") and d.ids == ["item_0", "item_3"]
+    # the first user item gone: the assistant's reply stays in the conversation, but a chat template
+    # wants a user turn first, so the model does not see it
+    assert d.delete("item_0") == (True, None) and d.ids == ["item_3"]
+    assert [m["content"] for m in d.messages("s")] == ["s", "Hello."]
     msgs = h.messages("system prompt")
     assert msgs[0] == {"role": "system", "content": "system prompt"} and len(msgs) == 2
     assert _cut_words("hello there world", 8) == "hello" and _cut_words("hello there", 99) == "hello there"
