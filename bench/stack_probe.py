@@ -360,6 +360,8 @@ def cuda_rows(args, model, w, step_x, pos, cache, slots, cos, sin, weight_bytes:
         torch.cuda.synchronize()
         path = Path(args.out).with_suffix(".trace.pt")
         meta = dict(n_layers=layers, stages=ts, items=items, splits=ns, ring=dsc.ring_stages(w, step_x.device),
+                    dim=w.qkv.shape[2], inter=w.down.shape[2], n_heads=w.n_heads, n_kv_heads=w.n_kv_heads,
+                    head_dim=w.head_dim,
                     device=torch.cuda.get_device_name(), commit=commit(), context=int(cache.k.shape[3]))
         torch.save(dict(trace=trace.cpu(), **meta), path)
         summary = stack_timeline.summarize(trace.cpu(), **meta)

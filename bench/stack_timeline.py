@@ -34,8 +34,17 @@ EVENTS = 11  # len(kernels.decode_stack_cuda.TRACE_EVENTS); this script needs no
 
 
 def _split(trace: torch.Tensor, n_layers: int, stages: int) -> dict:
-    t = trace.to(torch.float64)
     ts = stages
+    # the global timer counts ns since an epoch (~1.8e18): taken relative to its first value in int64,
+    # or float64 keeps it to 256 ns and the offsets below cancel to nothing
+    trace = trace.clone()
+    gcols = torch.zeros(trace.shape[1], dtype=torch.bool)
+    gcols[4 * ts + 1: 4 * ts + 2 * n_layers * EVENTS: 2] = True
+    gcols[-3] = gcols[-1] = True
+    g = trace[:, gcols]
+    base = int(g[g > 0].min()) - 1 if bool((g > 0).any()) else 0
+    trace[:, gcols] = torch.where(g > 0, g - base, g)
+    t = trace.to(torch.float64)
     ev = t[:, 4 * ts: 4 * ts + 2 * n_layers * EVENTS].reshape(t.shape[0], n_layers, EVENTS, 2)
     return dict(room=t[:, :ts], issue=t[:, ts:2 * ts], ask=t[:, 2 * ts:3 * ts], have=t[:, 3 * ts:4 * ts],
                 clk=ev[..., 0], gt=ev[..., 1], cal=t[:, -4:])
@@ -51,6 +60,18 @@ def _boundaries(clk: torch.Tensor, start: float) -> list[float]:
             last = v if v > 0 else last
             out.append(last)
     return out
+
+
+# Llama-3.2-1B's widths: a trace written before the probe saved the widths in it was of these
+WIDTHS_1B = dict(dim=2048, inter=8192, n_heads=32, n_kv_heads=8, head_dim=64)
+
+
+def _rows_of(n: int, sms: int, lo: int, hi: int) -> list[int]:
+    """The SMs holding rows [lo, hi) of a weight of n rows split as the kernel does by default
+    (ceil(n / sms) rows an SM, rounded up to even; decode_stack_cuda.row_start with balance -1)."""
+    r = -(-n // sms)
+    r += r & 1
+    return [p for p in range(sms) if p * r < min(hi, n) and (p + 1) * r > lo]
 
 
 def summarize(trace: torch.Tensor, n_layers: int, stages: int, items: int, splits: int, ring: int, **meta) -> dict:
@@ -101,48 +122,65 @@ def summarize(trace: torch.Tensor, n_layers: int, stages: int, items: int, split
     full_seg = {name: float(full_by_seg[i]) * us / m for i, (name, _) in enumerate(SEGMENTS)}
     full_seg["after the last layer"] = float(full_by_seg[nseg]) * us / m
     return dict(clock_hz=hz, sms=m, mean=mean, worst_ring_full=worst, segment_us_a_layer=segments,
-                ring_full_us_by_segment=full_seg, handovers=_handovers(d, hz, n_layers, items, splits),
+                ring_full_us_by_segment=full_seg,
+                handovers=_handovers(d, hz, n_layers, items, splits, {k: meta.get(k, v) for k, v in WIDTHS_1B.items()}),
                 ring=ring, per_sm=per_sm)
 
 
-def _handovers(d: dict, hz: float, n_layers: int, items: int, splits: int) -> dict:
-    """Per hand-over, means over the layers (µs, global timer): the writers' spread (last - median) and
-    the readers' latency after the last writer (median and slowest reader)."""
+def _handovers(d: dict, hz: float, n_layers: int, items: int, splits: int, wd: dict) -> dict:
+    """Per hand-over, means over the layers (µs, global timer): the spread of the SMs whose rows the
+    event's thread (thread 0, of consumer warp 0) waits for (the last against their median), and
+    that thread's poll done after the last of them (median and slowest reader). Warp 0 polls the
+    input's first 1024 columns, so its writers are the SMs with those rows; an attention item's, the
+    SMs with its kv head's q|k|v rows."""
     clk, gt = d["clk"], d["gt"]
     P = clk.shape[0]
     # each SM's clock on the global timer: the offset that fits its events (global ns - cycles / rate)
     stamped = clk > 0
-    off = torch.zeros(P)
+    off = torch.zeros(P, dtype=torch.float64)
     for s in range(P):
         sel = stamped[s]
         if bool(sel.any()):
             off[s] = float((gt[s][sel] - clk[s][sel] * 1e9 / hz).mean())
     g = clk * 1e9 / hz + off[:, None, None]  # ns
     g[~stamped] = float("nan")
-    idx = torch.arange(P)
-    split0 = (idx < items) & (idx % max(splits, 1) == 0)
-    others = (idx < items) & (idx % max(splits, 1) != 0)
-    every = torch.ones(P, dtype=torch.bool)
-    # (writers' event, writer SMs, readers' event, reader SMs, the writers' layer offset)
-    pairs = {"residual after down -> q|k|v": (8, every, 0, every, -1),
-             "q|k|v -> attention": (1, every, 9, idx < items, 0),
-             "partials -> split 0": (2, others, 10, split0, 0),
-             "heads -> o": (2, split0, 3, every, 0),
-             "residual after o -> gate|up": (4, every, 5, every, 0),
-             "activation -> down": (6, every, 7, every, 0)}
+    dim, inter, h, hkv, hd = wd["dim"], wd["inter"], wd["n_heads"], wd["n_kv_heads"], wd["head_dim"]
+    ns = max(splits, 1)
+    G = h // hkv
+    nqkv = (h + 2 * hkv) * hd
+    seg = 1024  # (kSeg: the columns a consumer warp multiplies)
+    every = list(range(P))
+    first_down = _rows_of(dim, P, 0, seg)    # the residual's first columns: down's and o's rows
+    first_act = _rows_of(inter, P, 0, seg)   # the activation's: gate|up's rows
+    first_heads = [kv * ns for kv in range(min(hkv, -(-seg // (G * hd))))]  # split 0 of the first kv heads
+
+    def qkv_rows(kv: int) -> list[int]:
+        return sorted(set(_rows_of(nqkv, P, kv * G * hd, (kv + 1) * G * hd))
+                      | set(_rows_of(nqkv, P, (h + kv) * hd, (h + kv + 1) * hd))
+                      | set(_rows_of(nqkv, P, (h + hkv + kv) * hd, (h + hkv + kv + 1) * hd)))
+
+    # name: (writers' event, readers' event, [(reader SMs, their writer SMs)], the writers' layer offset)
+    pairs = {"residual after down -> q|k|v": (8, 0, [(every, first_down)], -1),
+             "q|k|v -> attention": (1, 9, [([kv * ns + s for s in range(ns) if kv * ns + s < items], qkv_rows(kv))
+                                           for kv in range(hkv)], 0),
+             "partials -> split 0": (2, 10, [([kv * ns], [kv * ns + s for s in range(1, ns)]) for kv in range(hkv)], 0),
+             "heads -> o": (2, 3, [(every, first_heads)], 0),
+             "residual after o -> gate|up": (4, 5, [(every, first_down)], 0),
+             "activation -> down": (6, 7, [(every, first_act)], 0)}
     out = {}
-    for name, (we, ws, re, rs, dl) in pairs.items():
+    for name, (we, re, groups, dl) in pairs.items():
         spread, med, slow = [], [], []
         for l in range(max(0, -dl), n_layers):
-            w = g[ws, l + dl, we]
-            r = g[rs, l, re]
-            w, r = w[~torch.isnan(w)], r[~torch.isnan(r)]
-            if len(w) == 0 or len(r) == 0:
-                continue
-            last = float(w.max())
-            spread.append((last - float(w.median())) / 1e3)
-            med.append((float(r.median()) - last) / 1e3)
-            slow.append((float(r.max()) - last) / 1e3)
+            for readers, writers in groups:
+                w = g[[x for x in writers if x < P], l + dl, we]
+                r = g[[x for x in readers if x < P], l, re]
+                w, r = w[~torch.isnan(w)], r[~torch.isnan(r)]
+                if len(w) == 0 or len(r) == 0:
+                    continue
+                last = float(w.max())
+                spread.append((last - float(w.median())) / 1e3)
+                med.append((float(r.median()) - last) / 1e3)
+                slow.append((float(r.max()) - last) / 1e3)
         if med:
             out[name] = dict(writers_spread_us=statistics.fmean(spread), readers_median_us=statistics.fmean(med),
                              readers_slowest_us=statistics.fmean(slow), layers=len(med))

@@ -365,13 +365,16 @@ def test_traced_step_is_the_step_and_its_timeline_is_ordered() -> None:
     assert bool((cal[:, 2] > cal[:, 0]).all() and (cal[:, 3] > cal[:, 1]).all())
     for s in range(p):
         n = int((issue[s] > 0).sum())
-        assert n == int(stats[s, 11]) and n > 0  # every stage the consumers counted was issued and traced
+        assert n == int(stats[s, 11])  # every stage the consumers counted was issued and traced
+        if n == 0:  # (an SM with no rows of any weight: ceil(N / SMs) rows each leave the last SMs none)
+            continue
         assert bool((issue[s, :n] >= room[s, :n]).all()) and bool((issue[s, 1:n] >= issue[s, : n - 1]).all())
         assert bool((have[s, :n] >= ask[s, :n]).all()) and bool((ask[s, 1:n] >= have[s, : n - 1]).all())
         ev = t[s, 4 * ts: -4].reshape(nl, len(dsc.TRACE_EVENTS), 2)[..., 0]
         stamped = ev[ev > 0]
         assert bool((stamped >= cal[s, 0]).all() and (stamped <= cal[s, 2]).all())
-        assert int(ev[:, 8].gt(0).sum()) == nl  # every SM puts its residual rows' end every layer
+        assert int(ev[:, 8].gt(0).sum()) == nl  # every SM with rows puts its residual rows' end every layer
+    assert int((t[:, ts:2 * ts] > 0).any(1).sum()) >= p // 2
 
 
 def test_every_sm_attends_where_the_heads_fit() -> None:
