@@ -301,8 +301,8 @@ class BatchDecoder:
         not branch). ``filtered=False``: no row uses top-k or top-p (no vocabulary sort).
         ``penalized``: some row has a frequency or presence penalty (then the step applies and
         counts them for every row, greedy or not). ``logprobs`` (top k, 0..20): the step also
-        computes each row's log probabilities (``StepResult.logprobs``). Both kinds of step run
-        eagerly, not from a CUDA graph. The caller keeps every pos < max_seq_len.
+        computes each row's log probabilities (``StepResult.logprobs``): such a step runs eagerly,
+        not from a CUDA graph. The caller keeps every pos < max_seq_len.
         """
         return self.launch(slots, greedy, filtered, penalized, logprobs).result()
 
@@ -321,9 +321,10 @@ class BatchDecoder:
         if not slots:
             return StepResult([])
         mode = self._mode(greedy, filtered, penalized)
-        # Steps with logprobs or penalties run eagerly: no GPU has yet run the test of their graphs
-        # (tests/server/test_text_server.py::test_cuda_graph_step_equals_eager)
-        if self.cuda_graphs and logprobs is None and mode != "penalize":
+        # Steps with logprobs run eagerly (their log probabilities are not a graph's output); the
+        # "penalize" steps are graphed like the others, each bucket captured at its first use (the
+        # counts they read are made when a request first asks for a penalty)
+        if self.cuda_graphs and logprobs is None:
             return self._to_host(self._graphed(slots, mode), len(slots))
         key = tuple(slots)
         if key != self._idx_key:  # the batch changed: one small host→device copy
@@ -408,8 +409,8 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every bucket up to n_slots (CUDA graphs only; warm-up). ("penalize" steps run
-        eagerly.)"""
+        """Capture every bucket up to n_slots (CUDA graphs only; warm-up). ("penalize" steps are
+        captured at their first use: their counts do not exist before a request asks for a penalty.)"""
         if not self.cuda_graphs:
             return
         for size in BUCKETS:

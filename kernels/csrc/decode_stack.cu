@@ -538,6 +538,37 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
   }
 }
 
+// 1024 or 2048 bf16 of a row handed over as LL words, polled by every consumer thread (thread t its
+// 16-byte pieces t, t + 256: K / 1024 of them) until each carries `flag`, then put in sw (K / 2
+// words) for the block: Consumer::load_x_ll_shared. Out of line: three polls a layer call it.
+// Returns `broken` (a poll that timed out: flagged, it waits no more; see Consumer::retry).
+__device__ __noinline__ bool poll_into(const Params& p, const uint2* src, int K, uint32_t flag, int tid, uint32_t* sw,
+                                       bool broken) {
+  const int nv = K / (4 * kConsumers);  // (1 or 2)
+  uint4 v[2];
+  for (uint32_t n = 0, ok = 0;; ++n) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      if (k < nv && !(ok >> k & 1)) v[k] = ld_ll2(src + 2 * (tid + k * kConsumers));
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      if (k >= nv || (v[k].y == flag && v[k].w == flag)) ok |= 1u << k;
+    if (ok == 3u || p.mode != 0 || broken) break;
+    if (n > kSpinLimit) {
+      atomicOr(p.ctl + 2, 1);
+      broken = true;
+      break;
+    }
+    if (p.backoff > 0) __nanosleep(p.backoff);
+  }
+  consumers_sync();  // (every thread is done with the phase before's partial sums in sw)
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    if (k < nv) *reinterpret_cast<uint2*>(sw + 2 * (tid + k * kConsumers)) = make_uint2(v[k].x, v[k].z);
+  consumers_sync();
+  return broken;
+}
+
 template <bool kTimed>
 struct Consumer {
   const Params& p;
@@ -586,7 +617,9 @@ struct Consumer {
   }
 
   // The warp's piece of a GEMV's input row (as load_x) from LL words, polled until every word
-  // carries `flag`: the lane's 8 columns a j are 4 words, two 16-byte loads.
+  // carries `flag`: the lane's 8 columns a j are 4 words, two 16-byte loads. (The activation's
+  // poll: down's K = I, where each warp has its own columns; the rows every SM waits for whole, the
+  // residual and the heads, come through load_x_ll_shared.)
   __device__ void load_x_ll(const uint2* src, int K, uint32_t flag, float (&xr)[32]) {
     const int col0 = (warp * kSeg) % K;
     uint4 v[8];
@@ -606,6 +639,36 @@ struct Consumer {
       xr[k * 4 + 1] = bf_hi(v[k].x);
       xr[k * 4 + 2] = bf_lo(v[k].z);
       xr[k * 4 + 3] = bf_hi(v[k].z);
+    }
+  }
+
+  // load_x_ll for a row every SM waits for whole (the residual, K = DIM; the heads, K = H HD): its
+  // words polled by all the SM's threads, each its own share (poll_into), in rounds of 2048 columns
+  // through `parts` (free between phases: the phase before has summed its rows), then each warp
+  // reads its piece from there. With load_x_ll's polls, 2 to 4 warps an SM poll the same L2 lines
+  // (K <= 4096: the warps share columns), 128 SMs at once: the first timeline (H100, bench/results/
+  // s23a) saw the residual and the heads land ~2.4-3.2 µs after their last writer, the activation
+  // (down's input, each warp its own columns) ~0.9 µs.
+  __device__ __forceinline__ void load_x_ll_shared(const uint2* src, int K, uint32_t flag, float (&xr)[32]) {
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(parts);
+    const int col0 = (warp * kSeg) % K;
+#pragma unroll 1
+    for (int c0 = 0; c0 < K; c0 += 2 * kMaxParts) {
+      const int kc = min(2 * kMaxParts, K - c0);
+      broken = poll_into(p, src + c0 / 2, kc, flag, tid, reinterpret_cast<uint32_t*>(parts), broken);
+      if (col0 < c0 || col0 >= c0 + kc) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 w = *reinterpret_cast<const uint4*>(sw + (col0 - c0 + j * 256 + lane * 8) / 2);
+        xr[j * 8 + 0] = bf_lo(w.x);
+        xr[j * 8 + 1] = bf_hi(w.x);
+        xr[j * 8 + 2] = bf_lo(w.y);
+        xr[j * 8 + 3] = bf_hi(w.y);
+        xr[j * 8 + 4] = bf_lo(w.z);
+        xr[j * 8 + 5] = bf_hi(w.z);
+        xr[j * 8 + 6] = bf_lo(w.w);
+        xr[j * 8 + 7] = bf_hi(w.w);
+      }
     }
   }
 
@@ -1255,7 +1318,7 @@ struct Consumer {
         if (l == 0) {
           load_x(x_in(), p.DIM, xr);
         } else {
-          load_x_ll(p.resd, p.DIM, want - 1u, xr);  // (the previous layer's down)
+          load_x_ll_shared(p.resd, p.DIM, want - 1u, xr);  // (the previous layer's down)
         }
         uint32_t tn = now<kTimed>();
         tally(3, tn - t0);
@@ -1294,7 +1357,7 @@ struct Consumer {
         if (p.every) {
           load_x_smem(xs, hhd, xr);  // (the SM's own heads: attention() ended at a barrier)
         } else {
-          load_x_ll(p.attn, hhd, want, xr);
+          load_x_ll_shared(p.attn, hhd, want, xr);
         }
         tally(5, now<kTimed>() - t0);
         ev(l, kEvOIn);
@@ -1310,7 +1373,7 @@ struct Consumer {
       if (sg.n > 0) {
         load_x(nw + p.DIM, p.DIM, wr);
         uint32_t t0 = now<kTimed>();
-        load_x_ll(p.reso, p.DIM, want, xr);
+        load_x_ll_shared(p.reso, p.DIM, want, xr);
         uint32_t tn = now<kTimed>();
         tally(6, tn - t0);
         ev(l, kEvGIn);

@@ -689,8 +689,8 @@ def test_cuda_graph_step_equals_eager(tmp_path) -> None:  # noqa: ANN001
                 out[s].append(t)
         plain.append(out)
     assert plain[0] == plain[1] == plain[2]
-    # penalised rows ("penalize" steps run eagerly beside the graphed ones): the same tokens, through a
-    # batch change; (to graph them: drop the launch's mode check, then this test must pass as it is)
+    # penalised rows (graphed "penalize" steps, beside eager steps with logprobs): the eager decoder's
+    # tokens, through a batch change
     pen = []
     for graphs, lp in ((False, None), (True, None), (True, 2)):  # (lp: every other step eager, with logprobs)
         dec = BatchDecoder(model, 6, 256, cuda_graphs=graphs)
