@@ -323,6 +323,12 @@ def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: di
     equals the default's bit for bit (output and caches)."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
+    _same_as_the_default_step(**settings)
+
+
+def _same_as_the_default_step(**kw) -> Transformer:  # noqa: ANN003
+    """The 3-layer model's step at position 70 with the launch's defaults, then again from the same
+    caches with ``kw``: the two equal bit for bit (output and caches). Returns the model."""
     model = _model(3)
     cache, slots = _prefilled(model, 70, slot=0)
     x = torch.randn(1, CFG.dim, device="cuda", dtype=torch.bfloat16)
@@ -333,10 +339,11 @@ def test_row_balance_and_copies_in_flight_keep_the_step_bit_for_bit(settings: di
     wk, wv = cache.k.clone(), cache.v.clone()
     cache.k.copy_(k0)
     cache.v.copy_(v0)
-    got = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, **settings)
+    got = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, **kw)
     torch.cuda.synchronize()
     assert dsc.errors(model.stack) == 0
     assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
+    return model
 
 
 @pytest.mark.gpu
@@ -347,24 +354,11 @@ def test_traced_step_is_the_step_and_its_timeline_is_ordered() -> None:
     and end; the trace's stages an SM as many as the weight schedule walks."""
     if not dsc.available():
         pytest.skip("needs an sm_90 GPU and nvcc")
-    model = _model(3)
-    cache, slots = _prefilled(model, 70, slot=0)
-    x = torch.randn(1, CFG.dim, device="cuda", dtype=torch.bfloat16)
-    pos = torch.tensor([70], device="cuda")
-    cos, sin = model.rope_table(cache.max_seq_len, torch.bfloat16)
-    k0, v0 = cache.k.clone(), cache.v.clone()
-    want = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin)
-    wk, wv = cache.k.clone(), cache.v.clone()
-    cache.k.copy_(k0)
-    cache.v.copy_(v0)
     p = torch.cuda.get_device_properties(0).multi_processor_count
-    nl = model.stack.qkv.shape[0]
+    nl = CFG.n_layers
     stats = torch.zeros(p, dsc.STATS, dtype=torch.int64, device="cuda")
     trace = torch.zeros(p, dsc.trace_width(nl, 4096), dtype=torch.int64, device="cuda")
-    got = dsc.decode_stack_cuda(model.stack, x, pos, cache.k, cache.v, slots, cos, sin, stats=stats, trace=trace)
-    torch.cuda.synchronize()
-    assert dsc.errors(model.stack) == 0
-    assert torch.equal(got, want) and torch.equal(cache.k, wk) and torch.equal(cache.v, wv)
+    assert _same_as_the_default_step(stats=stats, trace=trace).stack.qkv.shape[0] == nl
     t = trace.cpu()
     ts = 4096
     room, issue, ask, have = t[:, :ts], t[:, ts:2 * ts], t[:, 2 * ts:3 * ts], t[:, 3 * ts:4 * ts]
