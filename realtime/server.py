@@ -306,6 +306,10 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
         raise UnsupportedError(f"response_format '{str(fmt_name)[:20]}' is not supported; "
                                "use wav, pcm, mulaw, mp3, opus or flac")
     fmt, media = SPEECH_FORMATS[fmt_name]
+    sf = body.get("stream_format", "audio")
+    if sf != "audio":  # (OpenAI's "sse": audio deltas as JSON events; not served, and not to be ignored)
+        raise UnsupportedError(f"stream_format '{str(sf)[:20]}' is not supported; the audio streams as the body "
+                               "('audio'), or use the /v1/tts WebSocket for framed chunks")
     voice = body.get("voice")
     if voice in OPENAI_VOICES:
         voice = None
