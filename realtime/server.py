@@ -310,6 +310,8 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
     if sf != "audio":  # (OpenAI's "sse": audio deltas as JSON events; not served, and not to be ignored)
         raise UnsupportedError(f"stream_format '{str(sf)[:20]}' is not supported; the audio streams as the body "
                                "('audio'), or use the /v1/tts WebSocket for framed chunks")
+    if body.get("instructions"):  # (gpt-4o-mini-tts's delivery prompt: our voices take none)
+        raise UnsupportedError("'instructions' (a spoken style) are not supported by this server's voices")
     voice = body.get("voice")
     if voice in OPENAI_VOICES:
         voice = None

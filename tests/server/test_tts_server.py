@@ -212,8 +212,11 @@ async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
         # OpenAI's server-sent events are refused, not ignored (a client parsing events would get audio)
         r = await client.post("/v1/audio/speech", json={"input": "x", "stream_format": "sse"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported" and "sse" in r.json()["error"]["message"]
-        r = await client.post("/v1/audio/speech", json={"input": "Hi.", "stream_format": "audio", "response_format": "pcm"})
+        r = await client.post("/v1/audio/speech", json={"input": "Hi.", "stream_format": "audio", "response_format": "pcm",
+                                                       "instructions": ""})
         assert r.status_code == 200 and len(r.content) > 0
+        r = await client.post("/v1/audio/speech", json={"input": "x", "instructions": "Speak like a pirate."})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
         # an endpoint this server was started without, an unknown one, a wrong method: the same shape
         r = await client.post("/v1/images/generations", json={"prompt": "3"})
         assert r.status_code == 404 and "--image-model" in r.json()["error"]["message"]
