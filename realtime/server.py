@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
 import hmac
 import json
@@ -196,6 +197,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
             body = await json_body(request, config.max_frame_bytes)
             params, text, media = _speech_params(body, state.tts)
             fmt_name = body.get("response_format", "wav")
+            sse = body.get("stream_format", "audio") == "sse"
             # mp3, opus, flac: the PCM through an encoder (codecs/encoded.py; it refuses a format
             # this libsndfile lacks, or a rate the format does not take)
             enc = EncodedStream(fmt_name, params.sample_rate) if fmt_name in ENCODED else None
@@ -213,7 +215,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
         job.stop()
         state.scheduler.wake()
 
-        async def stream() -> AsyncIterator[bytes]:
+        async def audio() -> AsyncIterator[bytes]:
             try:
                 if fmt_name == "wav":
                     yield _wav_header(params.sample_rate)
@@ -238,7 +240,22 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
                 if enc is not None:
                     enc.close()  # (frees the encoder when the body ended early)
 
-        return StreamingResponse(stream(), media_type=media)
+        if not sse:
+            return StreamingResponse(audio(), media_type=media)
+
+        async def events() -> AsyncIterator[bytes]:
+            # OpenAI's stream_format "sse": the same bytes as base64 speech.audio.delta events, then
+            # speech.audio.done with the usage (see _speech_usage); an error event where the audio
+            # stopped short (the job failed or was cancelled)
+            async for part in audio():
+                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(part).decode()})
+            if job.ended:
+                yield _sse({"type": "speech.audio.done", "usage": _speech_usage(job)})
+            else:
+                yield _sse({"type": "error", "error": {"message": "speech stopped before its end", "type": "server_error",
+                                                       "code": "speech_failed"}})
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Audio-Media-Type": media})
 
     static_dir = Path(__file__).with_name("static")
 
@@ -307,9 +324,8 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
                                "use wav, pcm, mulaw, mp3, opus or flac")
     fmt, media = SPEECH_FORMATS[fmt_name]
     sf = body.get("stream_format", "audio")
-    if sf != "audio":  # (OpenAI's "sse": audio deltas as JSON events; not served, and not to be ignored)
-        raise UnsupportedError(f"stream_format '{str(sf)[:20]}' is not supported; the audio streams as the body "
-                               "('audio'), or use the /v1/tts WebSocket for framed chunks")
+    if sf not in ("audio", "sse"):
+        raise UnsupportedError(f"stream_format '{str(sf)[:20]}' is not supported; use audio or sse")
     if body.get("instructions"):  # (gpt-4o-mini-tts's delivery prompt: our voices take none)
         raise UnsupportedError("'instructions' (a spoken style) are not supported by this server's voices")
     voice = body.get("voice")
@@ -323,6 +339,18 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
     if len(text) > 20_000:
         raise ProtocolError("'input' may hold at most 20000 characters", code="too_long")
     return params, text, media
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _speech_usage(job: Any) -> dict[str, int]:
+    """A speech reply's usage in OpenAI's fields: input tokens are the positions the model read (the
+    voice's phoneme ids for Piper; for CSM the prompts' text tokens and context frames), output
+    tokens the frames it made (Piper's latent frames, CSM's frames of codes)."""
+    return {"input_tokens": int(job.input_tokens), "output_tokens": int(job.frames),
+            "total_tokens": int(job.input_tokens + job.frames)}
 
 
 def _wav_header(rate: int) -> bytes:

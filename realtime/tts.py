@@ -74,6 +74,7 @@ class TTSJob(Job):
         self.out_samples = 0
         self.engine_state: Any = None
         self.frames = 0  # engine frames generated (latent frames / codec frames)
+        self.input_tokens = 0  # positions the model read for it: phoneme ids (Piper), prompt tokens and frames (CSM)
         self.compute_s = 0.0  # share of worker step time spent on this job
         # producer-side model of the client's player, for the deadline
         self.spurt_start: float | None = None
@@ -84,6 +85,10 @@ class TTSJob(Job):
 
     def notify(self) -> None:
         self.output.close()
+
+    def count_input(self, n: int) -> None:
+        """n more input positions the model read (a worker thread's; read once the job has ended)."""
+        self.input_tokens += n
 
     # ---- called from the session (event loop thread) ----
     def push_text(self, text: str) -> None:

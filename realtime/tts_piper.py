@@ -111,7 +111,8 @@ class PiperGenerateLane(Lane):
             with job.lock:  # nothing queued for the vocoder and the player near its end: audio is due now
                 head = not st.utts and job.ahead_s(time.monotonic()) < HEAD_BELOW_S
             try:
-                utts = self.b.synthesize_latents(seg, job.params, st.generator, publish=publish, head=head)
+                utts = self.b.synthesize_latents(seg, job.params, st.generator, publish=publish, head=head,
+                                                 count=job.count_input)
             finally:
                 with job.lock:
                     st.inflight -= 1
@@ -214,7 +215,8 @@ class PiperBackend(TTSBackend):
             raise UnsupportedError("the Piper voice does not take reference audio; serve a CSM model for that")
 
     def synthesize_latents(self, text: str, params: StartParams, generator: torch.Generator | None,
-                           publish: Callable[..., None] | None = None, head: bool = False) -> list[Utterance]:
+                           publish: Callable[..., None] | None = None, head: bool = False,
+                           count: Callable[[int], None] | None = None) -> list[Utterance]:
         """Latent frames for each sentence of ``text``. ``publish(utt)`` (if given) is called as
         soon as an utterance's first frames are made, and ``publish(utt, grown=True)`` once the rest
         are. With ``head`` (and generator and codec on the CPU), a first sentence longer than its
@@ -227,6 +229,8 @@ class PiperBackend(TTSBackend):
             ids = voice.phoneme_ids(phonemes)
             if len(ids) <= 3:  # ^ _ $ only: nothing to say
                 continue
+            if count is not None:  # (the phoneme ids the model reads: a speech reply's input tokens)
+                count(len(ids))
             x = torch.tensor([ids], dtype=torch.long, device=voice.device)
             z_p = voice.prior(x, length_scale=voice.config.length_scale / params.speed, generator=generator)
             if (head and not out and publish is not None and voice.device.type == "cpu"

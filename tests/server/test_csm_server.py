@@ -5,7 +5,9 @@ concurrent streams batched in one step each equal their solo output."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -148,3 +150,11 @@ async def test_openai_speech_endpoint_with_csm(csm_live) -> None:  # noqa: ANN00
         assert 0 < len(got) // 2 <= frames * backend.mimi.frame_size  # 24 kHz s16le, at most the cap
         r = await client.post("/v1/audio/speech", json={**body, "speed": 1.5})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+        # as server-sent events: the usage counts the prompt's positions and the frames made
+        r = await client.post("/v1/audio/speech", json={**body, "stream_format": "sse"})
+        events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: ")]
+        assert events[-1]["type"] == "speech.audio.done", events[-1]
+        n = sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) // 2
+        u = events[-1]["usage"]
+        prompt = len(backend.csm.build_prompt("hello world.", 0, []))
+        assert u["input_tokens"] == prompt and u["output_tokens"] * backend.mimi.frame_size == n, (u, n, prompt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
 import httpx
@@ -209,12 +210,22 @@ async def test_health_metrics_models_and_speech(live) -> None:  # noqa: ANN001
         # OpenAI's error shape, as its SDKs read it
         assert r.json()["error"]["type"] == "invalid_request_error" and "aac" in r.json()["error"]["message"]
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-        # OpenAI's server-sent events are refused, not ignored (a client parsing events would get audio)
-        r = await client.post("/v1/audio/speech", json={"input": "x", "stream_format": "sse"})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported" and "sse" in r.json()["error"]["message"]
-        r = await client.post("/v1/audio/speech", json={"input": "Hi.", "stream_format": "audio", "response_format": "pcm",
-                                                       "instructions": ""})
-        assert r.status_code == 200 and len(r.content) > 0
+        # stream_format: OpenAI's "sse" gives the same audio as base64 events, then the usage
+        body = {"input": "Hello there. How are you?", "response_format": "pcm", "seed": 5}
+        plain = (await client.post("/v1/audio/speech", json={**body, "stream_format": "audio", "instructions": ""})).content
+        r = await client.post("/v1/audio/speech", json={**body, "stream_format": "sse"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-audio-media-type"] == "audio/pcm"
+        events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: ")]
+        assert [e["type"] for e in events[-1:]] == ["speech.audio.done"] and len(events) >= 3
+        assert {e["type"] for e in events[:-1]} == {"speech.audio.delta"}
+        assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == plain and len(plain) > 24000
+        u = events[-1]["usage"]
+        # Piper reads ~1 phoneme id a character (with pads between them), and makes ~86 latent frames a second
+        assert 20 <= u["input_tokens"] <= 120 and u["output_tokens"] >= 0.5 * len(plain) / 2 / 24000 * 80
+        assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
+        r = await client.post("/v1/audio/speech", json={"input": "x", "stream_format": "chunks"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
         r = await client.post("/v1/audio/speech", json={"input": "x", "instructions": "Speak like a pirate."})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
         # an endpoint this server was started without, an unknown one, a wrong method: the same shape
