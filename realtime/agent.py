@@ -187,13 +187,22 @@ class History:
         self.max_chars = max_chars
         self.items: list[dict[str, str]] = []  # mutable dicts: truncation edits them in place
         self.ids: list[str | None] = []  # each item's conversation item id (None: none given)
+        self.spoken: list[bool] = []  # whether it was speech (an audio item) or text
 
-    def add(self, role: str, content: str, item_id: str | None = None) -> dict[str, str]:
+    def add(self, role: str, content: str, item_id: str | None = None, spoken: bool = False) -> dict[str, str]:
         msg = {"role": role, "content": content}
         self.items.append(msg)
         self.ids.append(item_id)
+        self.spoken.append(spoken)
         self._trim()
         return msg
+
+    def get(self, item_id: str) -> tuple[dict[str, str], bool] | None:
+        """The held item with this id and whether it was speech (None: not held)."""
+        if item_id not in self.ids:
+            return None
+        i = self.ids.index(item_id)
+        return self.items[i], self.spoken[i]
 
     def delete(self, item_id: str) -> tuple[bool, str | None]:
         """Removes the item with this id: (whether it was held, the id of the item before it, or
@@ -201,19 +210,20 @@ class History:
         if item_id not in self.ids:
             return False, None
         i = self.ids.index(item_id)
-        del self.items[i], self.ids[i]
+        del self.items[i], self.ids[i], self.spoken[i]
         # (no trim: an assistant item left first stays, for the client; messages() skips it)
         return True, next((x for x in reversed(self.ids[:i]) if x), None)
 
     def _trim(self) -> None:
         while len(self.items) > self.max_messages or (
                 len(self.items) > 1 and sum(len(m["content"]) for m in self.items) > self.max_chars):
-            self.items.pop(0)
-            self.ids.pop(0)
+            self._drop_first()
         # a chat template wants a user turn first after the system prompt
         while self.items and self.items[0]["role"] == "assistant":
-            self.items.pop(0)
-            self.ids.pop(0)
+            self._drop_first()
+
+    def _drop_first(self) -> None:
+        del self.items[0], self.ids[0], self.spoken[0]
 
     def messages(self, system: str, extra: tuple[dict[str, str], ...] = ()) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": system}]
@@ -445,7 +455,7 @@ class AgentSession:
         self._pending_text.clear()
         self._user_item = None
         if text:
-            self.history.add("user", text, item)
+            self.history.add("user", text, item, spoken=True)
         self.emit(UserTurn(item, text, int(self.audio_in_ms), committed_by_client=True))
         return item
 
@@ -468,6 +478,16 @@ class AgentSession:
     # ---- text in ----
     def add_item(self, role: str, text: str, item_id: str | None = None) -> None:
         self.history.add(role, text, item_id)
+
+    def get_item(self, item_id: str) -> tuple[str, str, bool]:
+        """A held conversation item: (role, text, whether it was speech); ProtocolError where none
+        has this id (unknown, or no longer in the kept history)."""
+        got = self.history.get(item_id)
+        if got is None:
+            raise ProtocolError(f"no conversation item '{item_id[:40]}' (unknown, or no longer in the kept history)",
+                                code="item_not_found")
+        msg, spoken = got
+        return msg["role"], msg["content"], spoken
 
     def delete_item(self, item_id: str) -> str | None:
         """Takes a conversation item out of what the model sees; returns the id of the item before
@@ -545,7 +565,7 @@ class AgentSession:
                 return  # noise the VAD took for speech: no turn
             t_final = time.monotonic()
             spec = self._spec
-            self.history.add("user", text, item)
+            self.history.add("user", text, item, spoken=True)
             self.emit(UserTurn(item, text, self._speech_end_ms))
             if spec is not None:
                 if (_same_words(spec.user_text, text) and self.response is None
@@ -860,7 +880,7 @@ class AgentSession:
             self._rate_ms += r.audio_ms
         if r.conversation == "auto":
             # kept even when empty (not sent to the LLM then): a later truncate edits it in place
-            r.history_msg = self.history.add("assistant", spoken, r.item_id)
+            r.history_msg = self.history.add("assistant", spoken, r.item_id, spoken=True)
         done = r.done_ev
         tts = r.tts_job
         st = r.tracker.stats()

@@ -260,11 +260,7 @@ class OpenAIRealtimeSession(_AgentBridge):
         elif isinstance(ev, oa.ItemCreate):
             iid = ev.item_id or f"item_{uuid.uuid4().hex[:20]}"
             agent.add_item(ev.role, ev.text, iid)
-            item = (oa.user_item(iid, "completed", ev.text, text=True) if ev.role != "assistant"
-                    else {**oa.assistant_item(iid, "completed", None),
-                          "content": [{"type": "output_text", "text": ev.text}]})
-            if ev.role == "system":
-                item["role"] = "system"
+            item = oa.text_item(iid, ev.role, ev.text)
             await self.send(oa.event("conversation.item.added", previous_item_id=self.prev_item, item=item))
             await self.send(oa.event("conversation.item.done", previous_item_id=self.prev_item, item=item))
             self.prev_item = iid
@@ -272,6 +268,15 @@ class OpenAIRealtimeSession(_AgentBridge):
             agent.truncate(ev.item_id, ev.audio_end_ms)
             await self.send(oa.event("conversation.item.truncated", item_id=ev.item_id,
                                      content_index=ev.content_index, audio_end_ms=ev.audio_end_ms))
+        elif isinstance(ev, oa.ItemRetrieve):
+            role, text, spoken = agent.get_item(ev.item_id)
+            if not spoken:
+                item = oa.text_item(ev.item_id, role, text)
+            elif role == "assistant":
+                item = oa.assistant_item(ev.item_id, "completed", text)
+            else:
+                item = oa.user_item(ev.item_id, "completed", text)
+            await self.send(oa.event("conversation.item.retrieved", item=item))
         elif isinstance(ev, oa.ItemDelete):
             before = agent.delete_item(ev.item_id)
             if self.prev_item == ev.item_id:

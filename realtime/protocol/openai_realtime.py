@@ -4,6 +4,7 @@ typed), server events out (plain dicts in the GA schema of ``openai.types.realti
 Supported client events: ``session.update``, ``input_audio_buffer.append`` / ``commit`` /
 ``clear``, ``conversation.item.create`` (text messages), ``conversation.item.truncate``,
 ``conversation.item.delete`` (an item the conversation still holds; the model no longer sees it),
+``conversation.item.retrieve`` (such an item, with its text or transcript),
 ``response.create``, ``response.cancel``. Any other (valid JSON) event is answered with an
 ``error`` event by the session and the connection stays open.
 
@@ -36,9 +37,9 @@ MAX_OUTPUT_TOKENS = 4096
 
 CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
                  "input_audio_buffer.clear", "conversation.item.create", "conversation.item.truncate",
-                 "conversation.item.delete", "response.create", "response.cancel")
+                 "conversation.item.delete", "conversation.item.retrieve", "response.create", "response.cancel")
 # Part of the API, not served here: answered with an 'unsupported' error, not 'unknown event'.
-KNOWN_UNSUPPORTED = ("conversation.item.retrieve", "output_audio_buffer.clear",
+KNOWN_UNSUPPORTED = ("output_audio_buffer.clear",
                      "transcription_session.update", "session.close")
 
 
@@ -288,6 +289,11 @@ class ItemDelete:
 
 
 @dataclass(frozen=True)
+class ItemRetrieve:
+    item_id: str
+
+
+@dataclass(frozen=True)
 class ResponseCreate:
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -302,7 +308,7 @@ class ResponseCancel:
 
 
 ClientEvent = (SessionUpdate | AudioAppend | AudioCommit | AudioClear | ItemCreate | ItemTruncate | ItemDelete
-               | ResponseCreate | ResponseCancel)
+               | ItemRetrieve | ResponseCreate | ResponseCancel)
 
 
 def _item_text(item: dict[str, Any], param: str) -> tuple[str, str]:
@@ -386,11 +392,11 @@ def parse_client_event(msg: dict[str, Any]) -> ClientEvent:
         if isinstance(ci, bool) or not isinstance(ci, int) or ci != 0:
             raise _bad("'content_index' must be 0 (one audio part per item)", "invalid_value", "content_index")
         return ItemTruncate(iid, ci, end)
-    if kind == "conversation.item.delete":
+    if kind in ("conversation.item.delete", "conversation.item.retrieve"):
         iid = msg.get("item_id")
         if not isinstance(iid, str) or not iid:
-            raise _bad("conversation.item.delete needs 'item_id'", "missing_required_parameter", "item_id")
-        return ItemDelete(iid)
+            raise _bad(f"{kind} needs 'item_id'", "missing_required_parameter", "item_id")
+        return ItemDelete(iid) if kind == "conversation.item.delete" else ItemRetrieve(iid)
     if kind == "response.create":
         r = msg.get("response") or {}
         if not isinstance(r, dict):
@@ -445,6 +451,14 @@ def assistant_item(item_id: str, status: str, transcript: str | None) -> dict[st
     content = [] if transcript is None else [{"type": "output_audio", "transcript": transcript}]
     return {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant",
             "status": status, "content": content}
+
+
+def text_item(item_id: str, role: str, text: str) -> dict[str, Any]:
+    """A completed message item with one text part (input_text for user and system, output_text for
+    the assistant), as conversation.item.create makes."""
+    part = {"type": "output_text" if role == "assistant" else "input_text", "text": text}
+    return {"id": item_id, "object": "realtime.item", "type": "message", "role": role, "status": "completed",
+            "content": [part]}
 
 
 def user_item(item_id: str, status: str, transcript: str | None, *, text: bool = False) -> dict[str, Any]:

@@ -25,7 +25,8 @@ def test_audio_append_commit_clear() -> None:
     ({}, ProtocolError, "missing_required_parameter"),
     ({"type": 3}, ProtocolError, "missing_required_parameter"),
     ({"type": "nope"}, ProtocolError, "unknown_event"),
-    ({"type": "conversation.item.retrieve", "item_id": "x"}, UnsupportedError, "unsupported"),
+    ({"type": "session.close"}, UnsupportedError, "unsupported"),
+    ({"type": "conversation.item.retrieve"}, ProtocolError, "missing_required_parameter"),
     ({"type": "conversation.item.delete"}, ProtocolError, "missing_required_parameter"),
     ({"type": "conversation.item.delete", "item_id": 7}, ProtocolError, "missing_required_parameter"),
     ({"type": "output_audio_buffer.clear"}, UnsupportedError, "unsupported"),
@@ -65,6 +66,7 @@ def test_items_truncate_response_events() -> None:
                                 "audio_end_ms": 1500})
     assert ev == oa.ItemTruncate("item_2", 0, 1500)
     assert oa.parse_client_event({"type": "conversation.item.delete", "item_id": "item_3"}) == oa.ItemDelete("item_3")
+    assert oa.parse_client_event({"type": "conversation.item.retrieve", "item_id": "item_4"}) == oa.ItemRetrieve("item_4")
     ev = oa.parse_client_event({"type": "response.create"})
     assert ev == oa.ResponseCreate()
     ev = oa.parse_client_event({"type": "response.create", "response": {

@@ -214,8 +214,7 @@ def test_unsupported_events_get_error_events_and_the_session_goes_on(live) -> No
                     if ev["type"] == "error":
                         assert ev["error"]["code"] == code, ev
                         return ev
-            ev = await expect_error(json.dumps({"type": "conversation.item.retrieve", "event_id": "e1",
-                                                "item_id": "x"}), "unsupported")
+            ev = await expect_error(json.dumps({"type": "output_audio_buffer.clear", "event_id": "e1"}), "unsupported")
             assert ev["error"]["event_id"] == "e1"
             await expect_error(json.dumps({"type": "no.such.event"}), "unknown_event")
             await expect_error("{not json", "invalid_frame")
@@ -280,19 +279,34 @@ def test_deleted_item_leaves_what_the_model_sees(live) -> None:  # noqa: ANN001
 
             async def respond() -> int:
                 await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 2}}))
-                return (await until("response.done"))["response"]["usage"]["input_tokens"]
+                done = (await until("response.done"))["response"]
+                replies.append(done["output"][0])
+                return done["usage"]["input_tokens"]
+
+            replies: list[dict] = []
 
             await create("item_a", long)
             await create("item_b", "Say hello.")
+            await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_b"}))
+            got = (await until("conversation.item.retrieved"))["item"]
+            assert got["id"] == "item_b" and got["role"] == "user" and got["content"] == [
+                {"type": "input_text", "text": "Say hello."}]
             with_a = await respond()
             await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item_a"}))
             assert (await until("conversation.item.deleted"))["item_id"] == "item_a"
             without_a = await respond()
             assert without_a < with_a - 40, (with_a, without_a)  # the 40 words left; a 2-token reply came in
+            # a spoken reply comes back as an audio item with its transcript
+            await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": replies[0]["id"]}))
+            got = (await until("conversation.item.retrieved"))["item"]
+            assert got["role"] == "assistant" and got["content"][0]["type"] == "output_audio"
+            assert got["content"][0]["transcript"] == replies[0]["content"][0]["transcript"]
             await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item_a"}))
             err = json.loads(await asyncio.wait_for(ws.recv(), 10))
             assert err["type"] == "error" and err["error"]["code"] == "item_not_found"
             await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": "item_c_missing"}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"] == "item_not_found"
+            await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_a"}))  # (deleted)
             assert json.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"] == "item_not_found"
             c = await create("item_c", "And goodbye.")
             assert c["previous_item_id"] not in ("item_a", None)
