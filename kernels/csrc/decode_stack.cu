@@ -648,7 +648,8 @@ struct Consumer {
   // reads its piece from there. With load_x_ll's polls, 2 to 4 warps an SM poll the same L2 lines
   // (K <= 4096: the warps share columns), 128 SMs at once: the first timeline (H100, bench/results/
   // s23a) saw the residual and the heads land ~2.4-3.2 µs after their last writer, the activation
-  // (down's input, each warp its own columns) ~0.9 µs.
+  // (down's input, each warp its own columns) ~0.9 µs. The caller puts a barrier between the warps'
+  // reads of `parts` here and the phase's partial sums there.
   __device__ __forceinline__ void load_x_ll_shared(const uint2* src, int K, uint32_t flag, float (&xr)[32]) {
     const uint32_t* sw = reinterpret_cast<const uint32_t*>(parts);
     const int col0 = (warp * kSeg) % K;
@@ -1358,6 +1359,9 @@ struct Consumer {
           load_x_smem(xs, hhd, xr);  // (the SM's own heads: attention() ended at a barrier)
         } else {
           load_x_ll_shared(p.attn, hhd, want, xr);
+          // (every warp has its piece out of `parts` before o's partial sums go there; q|k|v and
+          // gate|up have the norm's barrier between the two)
+          consumers_sync();
         }
         tally(5, now<kTimed>() - t0);
         ev(l, kEvOIn);
