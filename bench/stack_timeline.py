@@ -50,6 +50,14 @@ def _split(trace: torch.Tensor, n_layers: int, stages: int) -> dict:
                 clk=ev[..., 0], gt=ev[..., 1], cal=t[:, -4:])
 
 
+def _clock_hz(cal: torch.Tensor) -> float:
+    """The SMs' clock rate: the median over SMs of cycles / global ns from each one's start to its end."""
+    ok = (cal[:, 3] > cal[:, 1]) & (cal[:, 2] > cal[:, 0])
+    if not bool(ok.any()):
+        raise ValueError("the trace has no SM's start and end: was it written by a timed step?")
+    return float(((cal[ok, 2] - cal[ok, 0]) / (cal[ok, 3] - cal[ok, 1])).median()) * 1e9
+
+
 def _boundaries(clk: torch.Tensor, start: float) -> list[float]:
     """An SM's segment ends in order (n_layers x len(SEGMENTS)), missing events (0: the SM has no rows
     there) filled with the one before, so that their segment is empty."""
@@ -78,10 +86,7 @@ def summarize(trace: torch.Tensor, n_layers: int, stages: int, items: int, split
     """The timeline's sums (see the module's doc); times in µs."""
     d = _split(trace, n_layers, stages)
     cal = d["cal"]
-    ok = (cal[:, 3] > cal[:, 1]) & (cal[:, 2] > cal[:, 0])
-    if not bool(ok.any()):
-        raise ValueError("the trace has no SM's start and end: was it written by a timed step?")
-    hz = float(((cal[ok, 2] - cal[ok, 0]) / (cal[ok, 3] - cal[ok, 1])).median()) * 1e9
+    hz = _clock_hz(cal)
     us = 1e6 / hz
     P = trace.shape[0]
     nseg = len(SEGMENTS)
@@ -214,9 +219,7 @@ def plot(path: Path, trace: torch.Tensor, n_layers: int, stages: int, layers: li
 
     d = _split(trace, n_layers, stages)
     cal = d["cal"]
-    ok = (cal[:, 3] > cal[:, 1]) & (cal[:, 2] > cal[:, 0])
-    hz = float(((cal[ok, 2] - cal[ok, 0]) / (cal[ok, 3] - cal[ok, 1])).median()) * 1e9
-    us = 1e6 / hz
+    us = 1e6 / _clock_hz(cal)
     fig, ax = plt.subplots(figsize=(13, 0.55 * len(sms) + 1.6))
     colors = ["0.8", "C0", "C3", "C1", "0.6", "C2", "0.4", "C4"]
     nseg = len(SEGMENTS)

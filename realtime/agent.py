@@ -197,19 +197,20 @@ class History:
         self._trim()
         return msg
 
+    def _index(self, item_id: str) -> int | None:
+        return self.ids.index(item_id) if item_id in self.ids else None
+
     def get(self, item_id: str) -> tuple[dict[str, str], bool] | None:
         """The held item with this id and whether it was speech (None: not held)."""
-        if item_id not in self.ids:
-            return None
-        i = self.ids.index(item_id)
-        return self.items[i], self.spoken[i]
+        i = self._index(item_id)
+        return None if i is None else (self.items[i], self.spoken[i])
 
     def delete(self, item_id: str) -> tuple[bool, str | None]:
         """Removes the item with this id: (whether it was held, the id of the item before it, or
         None). An item the bounds already dropped is not held."""
-        if item_id not in self.ids:
+        i = self._index(item_id)
+        if i is None:
             return False, None
-        i = self.ids.index(item_id)
         del self.items[i], self.ids[i], self.spoken[i]
         # (no trim: an assistant item left first stays, for the client; messages() skips it)
         return True, next((x for x in reversed(self.ids[:i]) if x), None)
@@ -235,6 +236,11 @@ class History:
         if len(msgs) == 1:  # nothing said yet (a response.create on an empty conversation)
             msgs.append({"role": "user", "content": "Hello."})
         return msgs
+
+
+def _item_not_found(item_id: str) -> ProtocolError:
+    return ProtocolError(f"no conversation item '{item_id[:40]}' (unknown, or no longer in the kept history)",
+                         code="item_not_found")
 
 
 def _cut_words(text: str, chars: float) -> str:
@@ -484,8 +490,7 @@ class AgentSession:
         has this id (unknown, or no longer in the kept history)."""
         got = self.history.get(item_id)
         if got is None:
-            raise ProtocolError(f"no conversation item '{item_id[:40]}' (unknown, or no longer in the kept history)",
-                                code="item_not_found")
+            raise _item_not_found(item_id)
         msg, spoken = got
         return msg["role"], msg["content"], spoken
 
@@ -499,8 +504,7 @@ class AgentSession:
                                 code="item_in_progress")
         held, before = self.history.delete(item_id)
         if not held:
-            raise ProtocolError(f"no conversation item '{item_id[:40]}' (unknown, or no longer in the kept history)",
-                                code="item_not_found")
+            raise _item_not_found(item_id)
         return before
 
     # ---- ASR events ----

@@ -247,12 +247,14 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
             # OpenAI's stream_format "sse": the same bytes as base64 speech.audio.delta events, then
             # speech.audio.done with the usage (see _speech_usage); an error event where the audio
             # stopped short (the job failed or was cancelled)
+            from realtime.protocol.text import sse as event
+
             async for part in audio():
-                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(part).decode()})
+                yield event({"type": "speech.audio.delta", "audio": base64.b64encode(part).decode()})
             if job.ended:
-                yield _sse({"type": "speech.audio.done", "usage": _speech_usage(job)})
+                yield event({"type": "speech.audio.done", "usage": _speech_usage(job)})
             else:
-                yield _sse({"type": "error", "error": {"message": "speech stopped before its end", "type": "server_error",
+                yield event({"type": "error", "error": {"message": "speech stopped before its end", "type": "server_error",
                                                        "code": "speech_failed"}})
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Audio-Media-Type": media})
@@ -339,10 +341,6 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
     if len(text) > 20_000:
         raise ProtocolError("'input' may hold at most 20000 characters", code="too_long")
     return params, text, media
-
-
-def _sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _speech_usage(job: Any) -> dict[str, int]:

@@ -178,7 +178,7 @@ class CSMFrameLane(_CSMLane):
             prompt = b.csm.build_prompt(seg, job.params.speaker, context[:1])  # drop the history
         if self._room(prompt) < 1:
             raise UnsupportedError("the text segment does not fit the model's context")
-        job.input_tokens += len(prompt)
+        job.count_input(len(prompt))
         return prompt
 
     def _room(self, prompt: "CSMPrompt") -> int:
