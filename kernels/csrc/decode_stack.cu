@@ -538,6 +538,19 @@ __device__ void produce(const Params& p, const Ring& ring, const Rows* rows, int
   }
 }
 
+// After a poll that found a word not yet written: false once the poll limit is reached (flagged
+// in ctl[2], and `broken` set: the thread waits no more); sleeps Params::backoff ns first (fewer
+// polls in flight across the SMs). Consumer::retry and poll_into's loop.
+__device__ __forceinline__ bool retry_poll(const Params& p, uint32_t n, bool& broken) {
+  if (n > kSpinLimit) {
+    atomicOr(p.ctl + 2, 1);
+    broken = true;
+    return false;
+  }
+  if (p.backoff > 0) __nanosleep(p.backoff);
+  return true;
+}
+
 // 1024 or 2048 bf16 of a row handed over as LL words, polled by every consumer thread (thread t its
 // 16-byte pieces t, t + 256: K / 1024 of them) until each carries `flag`, then put in sw (K / 2
 // words) for the block: Consumer::load_x_ll_shared. Out of line: three polls a layer call it.
@@ -553,13 +566,8 @@ __device__ __noinline__ bool poll_into(const Params& p, const uint2* src, int K,
 #pragma unroll
     for (int k = 0; k < 2; ++k)
       if (k >= nv || (v[k].y == flag && v[k].w == flag)) ok |= 1u << k;
-    if (ok == 3u || p.mode != 0 || broken) break;
-    if (n > kSpinLimit) {
-      atomicOr(p.ctl + 2, 1);
-      broken = true;
-      break;
-    }
-    if (p.backoff > 0) __nanosleep(p.backoff);
+    if (ok == 3u || p.mode != 0 || broken) break;  // (Consumer::polling())
+    if (!retry_poll(p, n, broken)) break;
   }
   consumers_sync();  // (every thread is done with the phase before's partial sums in sw)
 #pragma unroll
@@ -600,21 +608,7 @@ struct Consumer {
 
   __device__ bool polling() const { return p.mode == 0 && !broken; }  // (probe modes: one read)
 
-  __device__ void timed_out() {
-    atomicOr(p.ctl + 2, 1);
-    broken = true;
-  }
-
-  // After a poll that found a word not yet written: false once the poll limit is reached
-  // (flagged); sleeps Params::backoff ns first (fewer polls in flight across the SMs)
-  __device__ bool retry(uint32_t n) {
-    if (n > kSpinLimit) {
-      timed_out();
-      return false;
-    }
-    if (p.backoff > 0) __nanosleep(p.backoff);
-    return true;
-  }
+  __device__ bool retry(uint32_t n) { return retry_poll(p, n, broken); }  // (see retry_poll)
 
   // The warp's piece of a GEMV's input row (as load_x) from LL words, polled until every word
   // carries `flag`: the lane's 8 columns a j are 4 words, two 16-byte loads. (The activation's
