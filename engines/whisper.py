@@ -9,7 +9,8 @@ Loads two formats into one module:
 
 Decoding is greedy without timestamps (``<|notimestamps|>`` in the prompt), with the token
 suppression openai-whisper / faster-whisper apply: the non-speech list plus the task and
-start tokens at every step, blank and end-of-text at the first sampled step.
+start tokens at every step, blank and end-of-text at the first sampled step. Word timestamps
+are ``realtime.engines.whisper_align``'s (a forced pass reading the alignment heads).
 
 Shapes: B batch (streams), T time, D model width, H heads, K head dim (D = H * K), V vocab.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -216,11 +218,14 @@ class WhisperDecoder(nn.Module):
             cache.cross_v[i, :b, :, :s].copy_(v)
         cache.cross_len = s
 
-    def forward(self, tokens: Tensor, positions: Tensor, n_keys: int, cache: KVCache) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, n_keys: int, cache: KVCache,
+                on_cross: Callable[[int, Tensor, Tensor], None] | None = None) -> Tensor:
         """Tokens [B, T] at positions [B, T] -> hidden [B, T, D] (before the vocab projection).
 
         Writes this chunk's keys/values at ``positions`` and attends to cache positions
         < n_keys that are <= the query's own position (causal per row).
+        ``on_cross(layer, q, k)``, when given, is called with each layer's cross-attention queries
+        [B, H, T, K] and keys [B, H, S, K] (word timestamps read their alignment heads there).
         """
         b, t = tokens.shape
         x = self.embed(tokens) + self.pos[positions]
@@ -237,6 +242,8 @@ class WhisperDecoder(nn.Module):
             x = x + layer.attn.merge(y)
             h = layer.cross_ln(x)
             q = layer.cross.q(h).view(b, t, layer.cross.h, -1).transpose(1, 2)
+            if on_cross is not None:
+                on_cross(i, q, cache.cross_k[i, :b, :, :s])
             y = F.scaled_dot_product_attention(q, cache.cross_k[i, :b, :, :s], cache.cross_v[i, :b, :, :s])
             x = x + layer.cross.merge(y)
             x = x + layer.fc2(F.gelu(layer.fc1(layer.ffn_ln(x))))
@@ -420,6 +427,23 @@ def _hf_state_dict(path: Path) -> tuple[WhisperConfig, dict[str, Tensor]]:
     return cfg, sd
 
 
+def _alignment_heads(path: Path, fmt: str, cfg: WhisperConfig) -> tuple[tuple[int, int], ...]:
+    """The (layer, head) cross-attention heads that follow word timing, for word timestamps.
+
+    A CTranslate2 folder lists them in config.json, a Hugging Face one in generation_config.json;
+    without a list, every head of the second half of the decoder (openai-whisper's default).
+    """
+    name = "config.json" if fmt == "ct2" else "generation_config.json"
+    heads = _read_json(path / name).get("alignment_heads") if (path / name).exists() else None
+    if not heads:
+        return tuple((layer, h) for layer in range(cfg.decoder_layers // 2, cfg.decoder_layers)
+                     for h in range(cfg.decoder_heads))
+    out = tuple((int(layer), int(h)) for layer, h in heads)
+    if any(not (0 <= layer < cfg.decoder_layers and 0 <= h < cfg.decoder_heads) for layer, h in out):
+        raise ModelFormatError(f"{path / name}: alignment_heads outside the decoder's layers and heads")
+    return out
+
+
 def _load_tokenizer(path: Path):
     from tokenizers import Tokenizer
 
@@ -521,8 +545,10 @@ class Whisper:
     sample_rate = 16000
 
     def __init__(self, model: WhisperModel, tokens: SpecialTokens, tokenizer, name: str,
-                 device: torch.device, dtype: torch.dtype, cpu_native: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, cpu_native: bool = False,
+                 alignment_heads: tuple[tuple[int, int], ...] = ()) -> None:
         self.model = model.eval()
+        self.alignment_heads = alignment_heads  # (layer, head) pairs; see whisper_align
         # CPU only: the encoder and the cross-attention keys/values (the decode's big products,
         # over 1,500 audio positions a row) run under bf16 autocast, the residual stream, the
         # decoder and its cache staying float32 (see ``from_pretrained``).
@@ -576,7 +602,8 @@ class Whisper:
         tokens = _special_tokens(p, fmt, cfg, tok)
         name = "tiny.en" if path is None else p.name
         native = cpu_native and device.type == "cpu" and dtype == torch.float32 and cpu_has_bf16()
-        return cls(model, tokens, tok, name, device, dtype, cpu_native=native)
+        return cls(model, tokens, tok, name, device, dtype, cpu_native=native,
+                   alignment_heads=_alignment_heads(p, fmt, cfg))
 
     # -- front end and encoder ------------------------------------------------------------------
 

@@ -112,11 +112,15 @@ class ASRJob(Job):
     priority = Priority.REALTIME
 
     def __init__(self, params: ASRParams, cfg: AsrConfig, vad_state: Any, live: bool = True,
-                 session: str = "", max_inbox_s: float | None = None) -> None:
+                 session: str = "", max_inbox_s: float | None = None, words: bool = False) -> None:
         super().__init__()
         self.params = params
         self.cfg = cfg
         self.live = live  # a real-time stream (latency is measured) vs an uploaded file
+        # Each final carries "words": [{word, start, end}] (seconds, stream time), from an
+        # alignment pass over the final's audio that only these jobs pay for.
+        self.words = words
+        self.last_word_end = 0.0  # seconds, stream time: the alignment's pause reference
         self.session = session
         self.policy_cfg = PolicyConfig(decode_every_ms=cfg.decode_every_ms, min_decode_ms=cfg.min_decode_ms,
                                        max_segment_ms=cfg.segment_ms + 1000, cut_margin_ms=1000)
@@ -292,11 +296,14 @@ class ASRJob(Job):
         self.output.put(END)
         self.state = JobState.FINISHED
 
-    def emit(self, ev: AsrEvent, utt: Utterance, at_end: bool) -> None:
-        """A policy event -> an output message; ``at_end``: the final of an ended utterance."""
+    def emit(self, ev: AsrEvent, utt: Utterance, at_end: bool, words: list[dict[str, Any]] | None = None) -> None:
+        """A policy event -> an output message; ``at_end``: the final of an ended utterance;
+        ``words``: a final's word timestamps, sent with it."""
         if ev.kind == "final":
             self.finals += 1
-            msg = {"type": "final", "text": ev.text, "start_ms": ev.start_ms, "end_ms": ev.end_ms}
+            msg: dict[str, Any] = {"type": "final", "text": ev.text, "start_ms": ev.start_ms, "end_ms": ev.end_ms}
+            if words is not None:
+                msg["words"] = words
             if at_end and utt.ended_at is not None:
                 lat = time.monotonic() - utt.ended_at
                 if self.live:
@@ -501,6 +508,21 @@ class DecodeLane(Lane):
             return []
         return self.whisper.tokenizer.encode(" " + " ".join(ctx), add_special_tokens=False).ids
 
+    def _words(self, job: ASRJob, ev: AsrEvent) -> list[dict[str, Any]]:
+        """A final's words with their times in the stream (seconds): an alignment pass of its text
+        over its audio [start_ms, end_ms), which the buffer still holds (it is trimmed after)."""
+        from realtime.engines.whisper_align import word_timestamps
+
+        w = self.whisper
+        with job.lock:
+            audio = job.audio(ev.start_ms * RATE // 1000, ev.end_ms * RATE // 1000).copy()
+        ids = w.tokenizer.encode(" " + ev.text, add_special_tokens=False).ids
+        found = word_timestamps(w, audio, ids, offset_s=ev.start_ms / 1000, last_speech_s=job.last_word_end,
+                                language=job.params.language, cache=self.cache)
+        if found:
+            job.last_word_end = found[-1].end
+        return [{"word": x.word.strip(), "start": x.start, "end": x.end} for x in found]
+
     def _apply(self, r: _Row, words: list[str] | None) -> None:
         job, u = r.job, r.utt
         job.early = False
@@ -510,7 +532,8 @@ class DecodeLane(Lane):
         else:
             events = u.policy.on_hypothesis(words, t_ms)
         for ev in events:
-            job.emit(ev, u, r.kind != "partial")
+            timed = self._words(job, ev) if job.words and ev.kind == "final" else None
+            job.emit(ev, u, r.kind != "partial", timed)
         if r.early and job.preview and u.policy.active:
             # what the final will say if the VAD now ends the utterance (a "reuse" final)
             job.preview_sent = True
@@ -578,9 +601,10 @@ class ASRService(Service):
 
     # ---- jobs ----
     def new_job(self, params: ASRParams, live: bool = True, session: str = "",
-                max_inbox_s: float | None = None) -> ASRJob:
+                max_inbox_s: float | None = None, words: bool = False) -> ASRJob:
         assert self.vad is not None
-        return ASRJob(params, self.cfg, self.vad.new_state(), live=live, session=session, max_inbox_s=max_inbox_s)
+        return ASRJob(params, self.cfg, self.vad.new_state(), live=live, session=session, max_inbox_s=max_inbox_s,
+                      words=words)
 
     def submit(self, scheduler: Scheduler, job: ASRJob) -> None:
         assert self.vad_lane is not None and self.decode_lane is not None
@@ -628,16 +652,21 @@ class ASRService(Service):
             if fmt not in TRANSCRIPTION_FORMATS:
                 raise UnsupportedError(f"response_format '{fmt[:20]}' is not supported; use "
                                        f"{', '.join(TRANSCRIPTION_FORMATS)}")
-            grains = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
-            if any(g != "segment" for g in grains):
-                raise UnsupportedError("only segment timestamps are given (no word timestamps)")
+            grains = set(form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities"))
+            unknown = sorted(grains - {"segment", "word"})
+            if unknown:
+                raise UnsupportedError(f"timestamp granularity '{unknown[0][:20]}' is not supported; "
+                                       "use segment or word")
+            if "word" in grains and fmt != "verbose_json":
+                raise UnsupportedError("word timestamps need response_format 'verbose_json' "
+                                       f"(not '{fmt}'), as in OpenAI's API")
             lang = form.get("language")
             params = parse_start({"type": "start", "language": lang or None}, self.languages)
             audio = decode_audio_file(data, self.cfg.max_file_s)
         except RealtimeError as exc:
             return http_error(exc, 400)
         params = ASRParams(language=params.language, interim=False)
-        job = self.new_job(params, live=False, max_inbox_s=self.cfg.max_file_s + 1)
+        job = self.new_job(params, live=False, max_inbox_s=self.cfg.max_file_s + 1, words="word" in grains)
         wake = asyncio.Event()
         job.output.bind(asyncio.get_running_loop(), wake)
         job.push_audio(audio)
@@ -667,10 +696,15 @@ class ASRService(Service):
             return JSONResponse({"text": text})
         if fmt in ("srt", "vtt"):
             return PlainTextResponse(subtitles(finals, fmt), media_type="text/vtt" if fmt == "vtt" else "text/plain")
-        segs = [{"id": i, "start": f["start_ms"] / 1000, "end": f["end_ms"] / 1000, "text": f["text"]}
-                for i, f in enumerate(finals)]
-        return JSONResponse({"task": "transcribe", "language": params.language or "en",
-                             "duration": round(len(audio) / RATE, 3), "text": text, "segments": segs})
+        body: dict[str, Any] = {"task": "transcribe", "language": params.language or "en",
+                                "duration": round(len(audio) / RATE, 3), "text": text}
+        # As OpenAI: segments unless only words are asked for, words when they are.
+        if grains != {"word"}:
+            body["segments"] = [{"id": i, "start": f["start_ms"] / 1000, "end": f["end_ms"] / 1000, "text": f["text"]}
+                                for i, f in enumerate(finals)]
+        if "word" in grains:
+            body["words"] = [x for f in finals for x in f["words"]]
+        return JSONResponse(body)
 
 
 TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")

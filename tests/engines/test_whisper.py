@@ -279,6 +279,126 @@ def test_tiny_en_cpu_native_transcribes_like_float32(tiny):
 
 
 # --------------------------------------------------------------------------------------------
+# Word timestamps vs faster-whisper (``word_timestamps=True``)
+
+
+def _faster_words(fw, audio: np.ndarray) -> tuple[list[tuple[str, float, float]], list[int]]:
+    """faster-whisper's words (word, start, end) and the text tokens it aligned them from."""
+    segments, _ = fw.transcribe(audio, beam_size=1, vad_filter=False, without_timestamps=True,
+                                condition_on_previous_text=False, temperature=0.0, word_timestamps=True)
+    segments = list(segments)
+    words = [(w.word, float(w.start), float(w.end)) for s in segments for w in s.words]
+    return words, [t for s in segments for t in s.tokens]
+
+
+def test_word_timestamps_equal_faster_whisper(tiny, faster):
+    """Real speech, whole, after 0.5 s of silence and cut mid-sentence: the same words, and times
+    equal to faster-whisper's (measured here: all equal, on all three clips).
+
+    The tolerance allows one near-tie of the float32 DTW to go the other way on another CPU: one
+    time may move by one encoder frame (20 ms). A systematic error moves several, e.g. padding the
+    window with the log-mel of silence (``Whisper.log_mel``) instead of zeros moves three boundaries
+    on the whole clip and the last word's end by 60 ms on the cut one."""
+    from realtime.engines.whisper_align import word_timestamps
+
+    a = _arctic()
+    clips = [a, np.concatenate([np.zeros(8000, np.float32), a]), a[: len(a) // 2]]
+    moved = 0.0
+    for audio in clips:
+        ref, tokens = _faster_words(faster, audio)
+        ours = word_timestamps(tiny, audio, tokens)
+        assert [w.word for w in ours] == [r[0] for r in ref]
+        diffs = [abs(x - y) for w, r in zip(ours, ref) for x, y in ((w.start, r[1]), (w.end, r[2]))]
+        assert max(diffs) <= 0.02 + 1e-6, (ours, ref)
+        moved += sum(diffs)
+    assert moved <= 0.02 + 1e-6
+    assert word_timestamps(tiny, a, tokens=[]) == []
+    # offset_s (and the pause reference with it): the same words in the caller's time
+    half = clips[2]
+    shifted = word_timestamps(tiny, half, tokens, offset_s=12.5, last_speech_s=12.5)
+    assert [(w.start, w.end) for w in shifted] == [(round(12.5 + w.start, 2), round(12.5 + w.end, 2))
+                                                   for w in word_timestamps(tiny, half, tokens)]
+
+
+def _faster_corrections(words, offset_s: float, last_speech_s: float) -> list[tuple[str, float, float]]:
+    """faster-whisper's ``add_word_timestamps`` on a given alignment ([(word, start, end)], one token
+    a word, seconds from the window's start): its corrections alone, the window starting at
+    ``offset_s``, decoded without timestamps (the segment is the whole 30 s window)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from faster_whisper.transcribe import WhisperModel
+
+    class Aligned:
+        frames_per_second = 100
+
+        def find_alignment(self, *args) -> list[list[dict]]:
+            return [[dict(word=w, tokens=[i], start=s, end=e, probability=1.0) for i, (w, s, e) in enumerate(words)]]
+
+    seek = round(offset_s * 100)
+    segment = [dict(seek=seek, start=offset_s, end=offset_s + 30.0, tokens=list(range(len(words))))]
+    defaults = inspect.signature(WhisperModel.transcribe).parameters
+    WhisperModel.add_word_timestamps(Aligned(), [segment], SimpleNamespace(eot=len(words)), None, 3000,
+                                     defaults["prepend_punctuations"].default,
+                                     defaults["append_punctuations"].default, last_speech_s)
+    return [(w["word"], w["start"], w["end"]) for w in segment[0]["words"]]
+
+
+@pytest.mark.parametrize("words, offset_s, last_speech_s", [
+    # a long full stop, then a long word after it (the sentence-end limits), commas merged
+    ([(" Hello", 0.0, 0.3), (",", 0.3, 0.3), (" world", 0.3, 0.62), (".", 0.62, 2.0), (" Then", 2.0, 3.5),
+      (" we", 3.5, 3.7), (" go", 3.7, 4.02), ("!", 4.02, 4.02)], 0.0, 0.0),
+    # opening marks join the next word, closing ones the previous (after a short pause)
+    ([(' "', 0.0, 0.1), ("Yes", 0.1, 0.4), ('"', 0.4, 0.4), (" (", 0.4, 0.5), ("no", 0.5, 0.8), (")", 0.8, 0.9),
+      (" -", 0.9, 1.0), (" I", 1.0, 1.2), ("'m", 1.2, 1.3), (" sure", 1.3, 1.7), ("?", 1.7, 1.7)], 3.0, 2.9),
+    # after a pause: a long first word and a long second one share a boundary
+    ([(" Well", 0.0, 2.0), (" then", 2.0, 3.5), (" ok", 3.5, 3.8), (" yes", 3.8, 4.0)], 5.0, 0.0),
+    # at the stream's start, two long words, then short ones
+    ([(" So", 0.0, 1.1), (" long", 1.1, 2.6), (" a", 2.6, 2.62), (" b", 2.62, 2.64), (" c", 2.64, 2.7)], 0.0, 0.0),
+    # after a pause, only the first word too long: its start moves up
+    ([(" Right", 0.0, 1.8), (" now", 1.8, 2.0), (" we", 2.0, 2.2), (" do", 2.2, 2.4)], 1.0, 0.5),
+])
+def test_word_corrections_equal_faster_whisper(words, offset_s, last_speech_s):
+    from realtime.engines.whisper_align import _corrected, _Timing
+
+    ours = _corrected([_Timing(w, s, e) for w, s, e in words], offset_s, last_speech_s)
+    ref = _faster_corrections(words, offset_s, last_speech_s)
+    assert [w.word for w in ours] == [r[0] for r in ref]
+    assert [(w.start, w.end) for w in ours] == [(pytest.approx(s, abs=1e-9), pytest.approx(e, abs=1e-9))
+                                                for _, s, e in ref]
+    unchanged = [(w, round(offset_s + s, 2), round(offset_s + e, 2)) for w, s, e in words]
+    assert [(w.word, w.start, w.end) for w in ours] != unchanged  # every case corrects something
+
+
+def test_dtw_equals_the_sequential_recurrence():
+    """The anti-diagonal DTW equals the cell-by-cell recurrence, ties included (small integers)."""
+    from realtime.engines.whisper_align import _dtw
+
+    def sequential(cost: np.ndarray) -> list[tuple[int, int]]:
+        n, m = cost.shape
+        acc = np.full((n + 1, m + 1), np.inf, np.float32)
+        acc[0, 0] = 0
+        step = np.zeros((n + 1, m + 1), int)
+        for j in range(1, m + 1):
+            for i in range(1, n + 1):
+                c = (acc[i - 1, j - 1], acc[i - 1, j], acc[i, j - 1])
+                s = 0 if c[0] < c[1] and c[0] < c[2] else 1 if c[1] < c[0] and c[1] < c[2] else 2
+                acc[i, j] = cost[i - 1, j - 1] + c[s]
+                step[i, j] = s
+        path, i, j = [], n, m
+        while i > 0 and j > 0:
+            path.append((i - 1, j - 1))
+            i, j = (i - 1, j - 1) if step[i, j] == 0 else (i - 1, j) if step[i, j] == 1 else (i, j - 1)
+        return path[::-1]
+
+    rng = np.random.default_rng(0)
+    for n, m in ((1, 1), (1, 9), (7, 1), (5, 40), (12, 30)):
+        for cost in (rng.integers(0, 3, (n, m)).astype(np.float32), rng.standard_normal((n, m)).astype(np.float32)):
+            rows, cols = _dtw(cost)
+            assert list(zip(rows.tolist(), cols.tolist())) == sequential(cost)
+
+
+# --------------------------------------------------------------------------------------------
 # CTranslate2 reader
 
 

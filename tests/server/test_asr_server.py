@@ -460,9 +460,6 @@ async def test_transcriptions_endpoint(live, arctic) -> None:  # noqa: ANN001
         sf.write(buf, speech(arctic, 0.2, 0.3), 16000, format="MP3")
         r = await c.post(url, files={"file": ("a.mp3", buf.getvalue(), "audio/mpeg")})
         assert r.status_code == 200 and norm(r.json()["text"]) == norm(ARCTIC), r.text
-        words = await c.post(url, files={"file": ("a.wav", wav)},
-                             data={"response_format": "verbose_json", "timestamp_granularities[]": "word"})
-        assert words.status_code == 400 and "word" in words.json()["error"]["message"]
         r = await c.post(url, files={"file": ("a.wav", wav)},
                          data={"response_format": "verbose_json", "timestamp_granularities[]": "segment"})
         assert r.status_code == 200 and len(r.json()["segments"]) == 1
@@ -472,6 +469,52 @@ async def test_transcriptions_endpoint(live, arctic) -> None:  # noqa: ANN001
         assert lang.status_code == 400 and lang.json()["error"]["code"] == "unsupported"
         models = (await c.get(f"{live.http}/v1/models")).json()["data"]
         assert any(d["kind"] == "asr" and d["id"] == "tiny.en" for d in models)
+
+
+async def test_transcriptions_word_timestamps(live, arctic) -> None:  # noqa: ANN001
+    """verbose_json with timestamp_granularities[] word: the final's words with their times in the
+    file (seconds), as OpenAI's ``words``; segments too only when they are asked for as well."""
+    from realtime.engines.whisper_align import word_timestamps
+
+    url = f"{live.http}/v1/audio/transcriptions"
+
+    async def post(c: httpx.AsyncClient, audio: np.ndarray, grains: list[str],
+                   fmt: str = "verbose_json") -> httpx.Response:
+        return await c.post(url, files={"file": ("a.wav", _wav(audio, 16000))},
+                            data={"response_format": fmt, "timestamp_granularities[]": grains})
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await post(c, speech(arctic, 0.2, 0.3), ["word"])
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert "segments" not in body and norm(body["text"]) == norm(ARCTIC)
+        words = body["words"]
+        assert [set(w) for w in words] == [{"word", "start", "end"}] * len(words)
+        assert "".join(w["word"] for w in words) == body["text"].replace(" ", "")
+        times = [t for w in words for t in (w["start"], w["end"])]
+        assert times == sorted(times) and all(w["start"] < w["end"] for w in words)
+        assert 0 <= times[0] and times[-1] <= body["duration"]
+
+        # Both granularities, the speech 1.2 s into the file: segments and words, the words in
+        # their segment and equal to the served engine's alignment of the segment's audio, offset
+        # by the segment's start: the file's time.
+        audio = speech(arctic, 1.2, 0.3)
+        r = await post(c, audio, ["segment", "word"])
+        assert r.status_code == 200, r.text
+        (seg,), words = r.json()["segments"], r.json()["words"]
+        # (word times are rounded to 10 ms, segment times to 1 ms)
+        assert 1.0 < seg["start"] <= words[0]["start"] + 0.005 and words[-1]["end"] <= seg["end"]
+        w = live.state.services["asr"].whisper
+        lo, hi = round(seg["start"] * 16000), round(seg["end"] * 16000)
+        ids = w.tokenizer.encode(" " + seg["text"], add_special_tokens=False).ids
+        expected = word_timestamps(w, audio[lo:hi], ids, offset_s=seg["start"])
+        assert words == [{"word": x.word.strip(), "start": x.start, "end": x.end} for x in expected]
+
+        for fmt in ("json", "srt"):
+            bad = await post(c, speech(arctic, 0.2, 0.3), ["word"], fmt)
+            assert bad.status_code == 400 and "verbose_json" in bad.json()["error"]["message"], bad.text
+        bad = await post(c, speech(arctic, 0.2, 0.3), ["phoneme"])
+        assert bad.status_code == 400 and "phoneme" in bad.json()["error"]["message"], bad.text
 
 
 def test_transcribe_cli_against_live_server(live) -> None:  # noqa: ANN001
