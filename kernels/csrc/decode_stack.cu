@@ -279,29 +279,6 @@ __device__ __forceinline__ void consumers_sync() {  // the consumer warps only (
 
 __device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-// a / b rounded to nearest, as `/` gives it wherever a, b and a / b are normal floats (the norms'
-// means, the softmax denominators): `/`'s own fast path (a reciprocal refined, then two remainder
-// steps), without the check and the call to the slow path that `/` puts at every site. Those
-// calls kept the values live across them in registers and made the step's register ceiling (168 a
-// thread) bind. Outside that range: b past 2^126 gives 0 (the reciprocal is flushed), an infinite
-// b NaN, a zero a +0 (see silu). Checked against `/` in C, with the reciprocal rounded up to 2 ulps
-// off, on 2.4e8 pairs of normal floats: equal.
-__device__ __forceinline__ float div_rn(float a, float b) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  r = fmaf(r, fmaf(-b, r, 1.f), r);
-  float q = a * r;
-  q = fmaf(r, fmaf(-b, q, a), q);
-  return fmaf(r, fmaf(-b, q, a), q);
-}
-
-// x / (1 + e^-x) as `/` gives it (div_rn), and -0 where x < -87: 1 + e^-x is past 2^126 there (inf
-// past -88.7) and the quotient below 2^-126 in size, which `/` gives and div_rn does not; -0 is the
-// same as that tiny value to every sum it enters. A zero x is kept with its sign, as `/` keeps it.
-__device__ __forceinline__ float silu(float x) {
-  return x < -87.f ? -0.f : x == 0.f ? x : div_rn(x, 1.f + __expf(-x));
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -707,7 +684,7 @@ struct Consumer {
     float tot = 0.f;
 #pragma unroll
     for (int i = 0; i < kConsumerWarps; ++i) tot += red[i];
-    float rstd = rsqrtf(div_rn(tot, (float)p.DIM) + p.eps);
+    float rstd = rsqrtf(tot / p.DIM + p.eps);
     for (int k = tid; k < p.DIM; k += kConsumers) xs[k] = bf(bf(xs[k] * rstd) * __bfloat162float(w[k]));
     consumers_sync();
   }
@@ -768,7 +745,7 @@ struct Consumer {
 #pragma unroll
     for (int i = 0; i < kConsumerWarps; ++i)  // (K / kSeg <= 8 warps' sums, in order)
       if (i < K / kSeg) tot += red[i];
-    const float rstd = rsqrtf(div_rn(tot, (float)K) + p.eps);
+    const float rstd = rsqrtf(tot / K + p.eps);
 #pragma unroll
     for (int i = 0; i < 32; ++i) xr[i] = bf(bf(xr[i] * rstd) * wr[i]);
   }
@@ -789,91 +766,41 @@ struct Consumer {
     s.segs = s.K / kSeg;
   }
 
-  // Waits for the ring's next stage (the consumers' place `at`) and returns its slot
-  __device__ int take_stage() {
+  // Stage i of slice s times the warp's x piece: the lane's part of the warp's partial (0 where the
+  // warp has no row in the stage). The stage's slot is freed before the lanes' parts are summed.
+  __device__ float stage_lanes(const Slice& s, int i, const float (&xr)[32]) {
     const int slot = at.slot;
     uint32_t t0 = now<kTimed>();
     long long* tr = kTimed && trc && gc < p.trace_stages ? trc + gc : nullptr;
     if (kTimed) ++gc;
     if (kTimed && tr) tr[2 * p.trace_stages] = clock64();
-    mbar_wait(&ring.full[slot], at.par);
+    mbar_wait(&ring.full[at.slot], at.par);
     at.advance(ring.n);
     if (kTimed && tr) tr[3 * p.trace_stages] = clock64();
-    tally(2, now<kTimed>() - t0);
-    tally(11, 1);
-    return slot;
-  }
-
-  // the warp's 1024 elements of the stage in slot `slot` (4 16-byte loads a lane)
-  __device__ void load_stage(int slot, uint4 (&u)[4]) const {
-    const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + warp * kSeg;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) u[q] = *reinterpret_cast<const uint4*>(wst + q * 256 + lane * 8);
-  }
-
-  // the lane's part of the warp's partial: its 32 weights times xr, in two chains (even and odd
-  // columns; the order every build has summed in)
-  __device__ static float dot_lane(const uint4 (&u)[4], const float (&xr)[32]) {
-    float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[q]);
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        float2 f = __bfloat1622float2(h[t]);
-        acc0 = fmaf(f.x, xr[q * 8 + 2 * t], acc0);
-        acc1 = fmaf(f.y, xr[q * 8 + 2 * t + 1], acc1);
-      }
-    }
-    return acc0 + acc1;
-  }
-
-  // whether the warp has a row in stage i of slice s (probe mode 2: the weights stream, nothing
-  // multiplies them)
-  __device__ bool has_row(const Slice& s, int i) const { return s.rw < s.rows(i) && p.mode != 2; }
-
-  // Stage i of slice s times the warp's x piece: the lane's part of the warp's partial (0 where the
-  // warp has no row in the stage). The stage's slot is freed before the lanes' parts are summed.
-  __device__ float stage_lanes(const Slice& s, int i, const float (&xr)[32]) {
-    const int slot = take_stage();
     uint32_t t1 = now<kTimed>();
-    float v = 0.f;
-    if (has_row(s, i)) {
+    tally(2, t1 - t0);
+    tally(11, 1);
+    float acc0 = 0.f, acc1 = 0.f;
+    if (s.rw < s.rows(i) && p.mode != 2) {  // (probe mode 2: the weights stream, nothing multiplies them)
+      const __nv_bfloat16* wst = ring.buf + (size_t)slot * kStageElems + warp * kSeg;
       uint4 u[4];
-      load_stage(slot, u);
-      v = dot_lane(u, xr);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) u[q] = *reinterpret_cast<const uint4*>(wst + q * 256 + lane * 8);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u[q]);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          float2 f = __bfloat1622float2(h[t]);
+          acc0 = fmaf(f.x, xr[q * 8 + 2 * t], acc0);
+          acc1 = fmaf(f.y, xr[q * 8 + 2 * t + 1], acc1);
+        }
+      }
     }
     __syncwarp();  // (every lane's reads of the slot are done: the FMAs used them)
     if (lane == 0) mbar_arrive(&ring.empty[slot]);
     tally(12, now<kTimed>() - t1);
-    return v;
-  }
-
-  // Two stages in a row of the ring (a's stage i, then b's stage j: a slice's i and i + 1, or
-  // gate's and up's i; with !two, a's alone) as stage_lanes each, the second's loads issued before
-  // the first's FMAs: a stage alone is a chain of latencies (the barrier, the shared loads, 16
-  // dependent FMAs), and while the ring is full the consumers' pace is the step's. Both slots are
-  // freed together.
-  __device__ void stage_pair(const Slice& a, int i, const Slice& b, int j, bool two, const float (&xr)[32],
-                             float& va, float& vb) {
-    const bool ha = has_row(a, i), hb = two && has_row(b, j);
-    uint4 ua[4], ub[4];  // (loaded whether or not the warp has a row there: a stage's bytes past its
-                         // rows are an earlier stage's, multiplied and dropped)
-    const int sa = take_stage();
-    uint32_t t1 = now<kTimed>();
-    load_stage(sa, ua);
-    const int sb = two ? take_stage() : sa;
-    load_stage(sb, ub);
-    va = dot_lane(ua, xr);
-    vb = dot_lane(ub, xr);
-    va = ha ? va : 0.f;
-    vb = hb ? vb : 0.f;
-    __syncwarp();  // (every lane's reads of both slots are done: the FMAs used them)
-    if (lane == 0) {
-      mbar_arrive(&ring.empty[sa]);
-      if (two) mbar_arrive(&ring.empty[sb]);
-    }
-    tally(12, now<kTimed>() - t1);
+    return acc0 + acc1;
   }
 
   // the warp's partial of stage i of slice s, where it has a row there, into parts[base + row * segs + seg]
@@ -893,7 +820,6 @@ struct Consumer {
     if (lane == 16) put_part(b, j, base_b, v);
   }
 
-  // A phase's stages one at a time, their partials summed two by two (put_pair)
   __device__ void slice_stages(const Slice& s, int base, const float (&xr)[32]) {
     const int n = s.stages();  // (a local: the stages' asm clobbers memory, s is re-read past them)
     float held = 0.f;          // an even stage's lane part, summed with the odd stage after it
@@ -906,23 +832,6 @@ struct Consumer {
         if (lane == 0) put_part(s, i, base, t);
       } else {
         held = v;
-      }
-    }
-  }
-
-  // slice_stages two stages at a time (stage_pair): down's, the phase of the most stages after
-  // gate|up (which pairs gate's stage i with up's)
-  __device__ void slice_pairs(const Slice& s, int base, const float (&xr)[32]) {
-    const int n = s.stages();
-    for (int i = 0; i < n; i += 2) {
-      const bool two = i + 1 < n;
-      float va, vb;
-      stage_pair(s, i, s, i + 1, two, xr, va, vb);
-      if (two) {
-        put_pair(s, i, base, va, s, i + 1, base, vb);
-      } else {
-        const float t = warp_sum(va);
-        if (lane == 0) put_part(s, i, base, t);
       }
     }
   }
@@ -1227,14 +1136,14 @@ struct Consumer {
         if (NS == 1) {
           const float den = ls[gh], dv = den > 0.f ? den : 1.f;
           if (p.every) {  // (the o rows' input: as the LL words' bf16 pairs would give it)
-            qs[gh * HD + d] = bf(div_rn(o.x, dv));
-            qs[gh * HD + d + 1] = bf(div_rn(o.y, dv));
-            qs[gh * HD + d + 2] = bf(div_rn(o.z, dv));
-            qs[gh * HD + d + 3] = bf(div_rn(o.w, dv));
+            qs[gh * HD + d] = bf(o.x / dv);
+            qs[gh * HD + d + 1] = bf(o.y / dv);
+            qs[gh * HD + d + 2] = bf(o.z / dv);
+            qs[gh * HD + d + 3] = bf(o.w / dv);
           } else {
             uint2* r = p.attn + (kvh * G * HD + gh * HD + d) / 2;
-            st_ll(r, pack_bf2(div_rn(o.x, dv), div_rn(o.y, dv)), want);
-            st_ll(r + 1, pack_bf2(div_rn(o.z, dv), div_rn(o.w, dv)), want);
+            st_ll(r, pack_bf2(o.x / dv, o.y / dv), want);
+            st_ll(r + 1, pack_bf2(o.z / dv, o.w / dv), want);
           }
         } else {
           uint2* r = p.part + (int64_t)(prow + gh * NS) * (HD + 2) + d;
@@ -1305,7 +1214,7 @@ struct Consumer {
           num = fmaf(__uint_as_float(pw[s2].x), w, num);
         }
       }
-      qs[e] = div_rn(num, den > 0.f ? den : 1.f);
+      qs[e] = num / (den > 0.f ? den : 1.f);
     }
     put_heads(kvh);
   }
@@ -1472,15 +1381,14 @@ struct Consumer {
       const int up = sg.n * (p.DIM / kSeg);
       const int ng = sg.stages();
       for (int i = 0; i < ng; ++i) {
-        float vg, vu;
-        stage_pair(sg, i, su, i, true, xr, vg, vu);
-        put_pair(sg, i, 0, vg, su, i, up, vu);
+        const float vg = stage_lanes(sg, i, xr);
+        put_pair(sg, i, 0, vg, su, i, up, stage_lanes(su, i, xr));
       }
       te = now<kTimed>();
       consumers_sync();
       put_rows(p.act, sg, [&](int r) {
         float gv = bf(row_sum(sg, 0, r));
-        float sv = bf(silu(gv));
+        float sv = bf(gv / (1.f + __expf(-gv)));
         return sv * bf(row_sum(su, up, r));
       });
       tally(13, now<kTimed>() - te);
@@ -1494,7 +1402,7 @@ struct Consumer {
         tally(7, now<kTimed>() - t0);
         ev(l, kEvDIn);
       }
-      slice_pairs(sd, 0, xr);
+      slice_stages(sd, 0, xr);
       te = now<kTimed>();
       consumers_sync();
       add_residual(p.resd, sd, false, resid);
