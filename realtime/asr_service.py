@@ -532,7 +532,14 @@ class DecodeLane(Lane):
         else:
             events = u.policy.on_hypothesis(words, t_ms)
         for ev in events:
-            timed = self._words(job, ev) if job.words and ev.kind == "final" else None
+            timed = None
+            if job.words and ev.kind == "final":
+                try:
+                    timed = self._words(job, ev)
+                except Exception as exc:  # an alignment bug fails this request, not the batch's other streams
+                    log.exception("word timestamps failed")
+                    job.fail(exc)
+                    return
             job.emit(ev, u, r.kind != "partial", timed)
         if r.early and job.preview and u.policy.active:
             # what the final will say if the VAD now ends the utterance (a "reuse" final)

@@ -471,7 +471,7 @@ async def test_transcriptions_endpoint(live, arctic) -> None:  # noqa: ANN001
         assert any(d["kind"] == "asr" and d["id"] == "tiny.en" for d in models)
 
 
-async def test_transcriptions_word_timestamps(live, arctic) -> None:  # noqa: ANN001
+async def test_transcriptions_word_timestamps(live, arctic, monkeypatch) -> None:  # noqa: ANN001
     """verbose_json with timestamp_granularities[] word: the final's words with their times in the
     file (seconds), as OpenAI's ``words``; segments too only when they are asked for as well."""
     from realtime.engines.whisper_align import word_timestamps
@@ -515,6 +515,22 @@ async def test_transcriptions_word_timestamps(live, arctic) -> None:  # noqa: AN
             assert bad.status_code == 400 and "verbose_json" in bad.json()["error"]["message"], bad.text
         bad = await post(c, speech(arctic, 0.2, 0.3), ["phoneme"])
         assert bad.status_code == 400 and "phoneme" in bad.json()["error"]["message"], bad.text
+
+        # An alignment that breaks fails its own request (500, nothing internal said), not the
+        # decode batch it ran in: a request sent with it, decoded beside it, is answered.
+        import realtime.engines.whisper_align as align
+
+        def broken(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+            raise RuntimeError("secret internal detail")
+
+        with monkeypatch.context() as m:
+            m.setattr(align, "word_timestamps", broken)
+            r, other = await asyncio.gather(post(c, speech(arctic, 0.2, 0.3), ["word"]),
+                                            post(c, speech(arctic, 0.2, 0.3), ["segment"]))
+        assert r.status_code == 500 and "secret" not in r.text, r.text
+        assert other.status_code == 200 and norm(other.json()["text"]) == norm(ARCTIC), other.text
+        r = await post(c, speech(arctic, 0.2, 0.3), ["word"])
+        assert r.status_code == 200 and r.json()["words"], r.text
 
 
 def test_transcribe_cli_against_live_server(live) -> None:  # noqa: ANN001
