@@ -112,14 +112,14 @@ class ASRJob(Job):
     priority = Priority.REALTIME
 
     def __init__(self, params: ASRParams, cfg: AsrConfig, vad_state: Any, live: bool = True,
-                 session: str = "", max_inbox_s: float | None = None, words: bool = False) -> None:
+                 session: str = "", max_inbox_s: float | None = None) -> None:
         super().__init__()
         self.params = params
         self.cfg = cfg
         self.live = live  # a real-time stream (latency is measured) vs an uploaded file
-        # Each final carries "words": [{word, start, end}] (seconds, stream time), from an
-        # alignment pass over the final's audio that only these jobs pay for.
-        self.words = words
+        # params.words: each final carries "words": [{word, start_ms, end_ms}] (stream time), from
+        # an alignment pass over the final's audio that only these jobs pay for.
+        self.words = params.words
         self.last_word_end = 0.0  # seconds, stream time: the alignment's pause reference
         self.session = session
         self.policy_cfg = PolicyConfig(decode_every_ms=cfg.decode_every_ms, min_decode_ms=cfg.min_decode_ms,
@@ -509,7 +509,7 @@ class DecodeLane(Lane):
         return self.whisper.tokenizer.encode(" " + " ".join(ctx), add_special_tokens=False).ids
 
     def _words(self, job: ASRJob, ev: AsrEvent) -> list[dict[str, Any]]:
-        """A final's words with their times in the stream (seconds): an alignment pass of its text
+        """A final's words with their times in the stream (ms): an alignment pass of its text
         over its audio [start_ms, end_ms), which the buffer still holds (it is trimmed after)."""
         from realtime.engines.whisper_align import word_timestamps
 
@@ -521,7 +521,9 @@ class DecodeLane(Lane):
                                 language=job.params.language, cache=self.cache)
         if found:
             job.last_word_end = found[-1].end
-        return [{"word": x.word.strip(), "start": x.start, "end": x.end} for x in found]
+        # (the alignment's times are whole 10 ms steps)
+        return [{"word": x.word.strip(), "start_ms": round(x.start * 1000), "end_ms": round(x.end * 1000)}
+                for x in found]
 
     def _apply(self, r: _Row, words: list[str] | None) -> None:
         job, u = r.job, r.utt
@@ -608,10 +610,9 @@ class ASRService(Service):
 
     # ---- jobs ----
     def new_job(self, params: ASRParams, live: bool = True, session: str = "",
-                max_inbox_s: float | None = None, words: bool = False) -> ASRJob:
+                max_inbox_s: float | None = None) -> ASRJob:
         assert self.vad is not None
-        return ASRJob(params, self.cfg, self.vad.new_state(), live=live, session=session, max_inbox_s=max_inbox_s,
-                      words=words)
+        return ASRJob(params, self.cfg, self.vad.new_state(), live=live, session=session, max_inbox_s=max_inbox_s)
 
     def submit(self, scheduler: Scheduler, job: ASRJob) -> None:
         assert self.vad_lane is not None and self.decode_lane is not None
@@ -672,8 +673,8 @@ class ASRService(Service):
             audio = decode_audio_file(data, self.cfg.max_file_s)
         except RealtimeError as exc:
             return http_error(exc, 400)
-        params = ASRParams(language=params.language, interim=False)
-        job = self.new_job(params, live=False, max_inbox_s=self.cfg.max_file_s + 1, words="word" in grains)
+        params = ASRParams(language=params.language, interim=False, words="word" in grains)
+        job = self.new_job(params, live=False, max_inbox_s=self.cfg.max_file_s + 1)
         wake = asyncio.Event()
         job.output.bind(asyncio.get_running_loop(), wake)
         job.push_audio(audio)
@@ -710,7 +711,8 @@ class ASRService(Service):
             body["segments"] = [{"id": i, "start": f["start_ms"] / 1000, "end": f["end_ms"] / 1000, "text": f["text"]}
                                 for i, f in enumerate(finals)]
         if "word" in grains:
-            body["words"] = [x for f in finals for x in f["words"]]
+            body["words"] = [{"word": x["word"], "start": x["start_ms"] / 1000, "end": x["end_ms"] / 1000}
+                             for f in finals for x in f["words"]]
         return JSONResponse(body)
 
 

@@ -6,7 +6,7 @@ States::
                              |  ^ audio / finalize
     any state --protocol error--> FAILED
 
-Client messages: ``start`` (sample_rate, format, language?, interim?, preview?), ``audio`` (bytes of the
+Client messages: ``start`` (sample_rate, format, language?, interim?, preview?, words?), ``audio`` (bytes of the
 start's format, any length that is a whole number of samples), ``finalize`` (end the current
 utterance now), ``stop`` (finalize, then the server sends ``done`` and closes 1000).
 """
@@ -38,6 +38,7 @@ class ASRParams:
     language: str | None = None  # None: the model's default (English, or detected when multilingual)
     interim: bool = True  # send revisable partials
     preview: bool = False  # send final_preview (the likely final, when silence begins) and speech_resumed
+    words: bool = False  # each final carries its words' times (one alignment pass a final)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ def parse_start(msg: dict[str, Any], languages: Collection[str] | None = None) -
             raise UnsupportedError(f"language '{lang[:12]}' is not supported by this model; use {listed}")
     interim = _field(msg, "interim", bool)
     preview = _field(msg, "preview", bool)
+    words = _field(msg, "words", bool)
     return ASRParams(sample_rate=rate, format=fmt, language=lang, interim=True if interim is None else interim,
-                     preview=bool(preview))
+                     preview=bool(preview), words=bool(words))
 
 
 class ASRProtocol:

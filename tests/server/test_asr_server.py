@@ -87,7 +87,7 @@ class Result:
 
 async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm_s16le", chunk_ms: int = 20,
                  pace: float | None = 1.0, interim: bool = True, json_frames: bool = False,
-                 preview: bool = False) -> Result:
+                 preview: bool = False, words: bool = False) -> Result:
     """Send ``audio`` (float, at ``rate``) in chunks at ``pace`` x real time, then stop; collect replies."""
     res = Result(pace=pace or 1.0)
 
@@ -101,6 +101,8 @@ async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm
         start = {"type": "start", "sample_rate": rate, "format": fmt, "interim": interim}
         if preview:
             start["preview"] = True
+        if words:
+            start["words"] = True
         await ws.send(enc(start))
         ready = await ws.recv()
         ready = json.loads(ready) if isinstance(ready, str) else msgpack.unpackb(ready)
@@ -156,6 +158,7 @@ async def test_realtime_stream_partials_then_final(live, arctic) -> None:  # noq
     assert speech_end < t_final < speech_end + max(3.0, 0.7 + 4 * step), (t_final - speech_end, step)
     f = finals[0]
     assert 0 <= f["start_ms"] <= 400 and 3000 < f["end_ms"] <= 300 + len(arctic) / 16 + 400
+    assert "words" not in f  # only when the start asks for them
     # partials are prefixes in the making: the last one before the final covers most of it
     assert norm(res.of("partial")[-1]["text"]).split()[0] == "he"
     stats = res.of("done")[0]["stats"]
@@ -531,6 +534,21 @@ async def test_transcriptions_word_timestamps(live, arctic, monkeypatch) -> None
         assert other.status_code == 200 and norm(other.json()["text"]) == norm(ARCTIC), other.text
         r = await post(c, speech(arctic, 0.2, 0.3), ["word"])
         assert r.status_code == 200 and r.json()["words"], r.text
+
+
+async def test_words_over_the_socket(live, arctic) -> None:  # noqa: ANN001
+    """``words`` in the start: each final carries its words with their times in the stream (ms),
+    inside the final's span, the words joined being its text."""
+    res = await stream(f"{live.ws}/v1/asr", speech(arctic, lead_s=0.8), pace=None, interim=False, words=True)
+    (final,) = res.of("final")
+    words = final["words"]
+    assert [set(w) for w in words] == [{"word", "start_ms", "end_ms"}] * len(words) and len(words) > 5
+    assert "".join(w["word"] for w in words) == final["text"].replace(" ", "")
+    times = [t for w in words for t in (w["start_ms"], w["end_ms"])]
+    assert times == sorted(times) and all(w["start_ms"] < w["end_ms"] for w in words)
+    # (the speech starts 800 ms in; the alignment's times are whole 10 ms steps)
+    assert 700 <= final["start_ms"] <= times[0] + 10 and times[-1] <= final["end_ms"] + 10, (final, times)
+    assert all(t % 10 == 0 for t in times)
 
 
 def test_transcribe_cli_against_live_server(live) -> None:  # noqa: ANN001
