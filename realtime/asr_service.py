@@ -833,8 +833,9 @@ class ASRSession(StreamSession):
 def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("transcribe", help="transcribe an audio file (WAV, FLAC, OGG, MP3)")
     p.add_argument("file")
-    p.add_argument("--format", default="text", choices=("text", "srt", "vtt"),
-                   help="text: a line a segment; srt / vtt: subtitles (with --local, one cue for the whole file)")
+    p.add_argument("--format", default="text", choices=("text", "srt", "vtt", "words"),
+                   help="text: a line a segment; srt / vtt: subtitles (with --local, one cue for the whole file); "
+                   "words: a line a word, 'start<TAB>end<TAB>word' in seconds (with --local: files up to 30 s)")
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/asr", help="the server's /v1/asr WebSocket")
     p.add_argument("--local", action="store_true", help="recognise in this process (no server)")
     p.add_argument("--model", default=None, help="with --local: a Whisper folder (default: embedded tiny.en)")
@@ -857,22 +858,36 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
     if args.local:
         from realtime.engines.whisper import Whisper
 
+        if args.format == "words" and len(audio) > 30 * RATE:
+            print("realtime transcribe: --local --format words takes files up to 30 s (a server takes any)",
+                  file=sys.stderr)
+            return 2
         w = Whisper.from_pretrained(args.model, device=args.device, cpu_native=not args.exact)
         text = w.transcribe(audio, language=args.language)
         if args.format == "text":
             print(text)
+        elif args.format == "words":
+            from realtime.engines.whisper_align import word_timestamps
+
+            ids = w.tokenizer.encode(" " + text, add_special_tokens=False).ids
+            for x in word_timestamps(w, audio, ids, language=args.language):
+                print(f"{x.start:.2f}\t{x.end:.2f}\t{x.word.strip()}")
         else:
             print(subtitles([{"start_ms": 0, "end_ms": len(audio) * 1000 // RATE, "text": text}], args.format), end="")
         return 0
     try:
         finals, stats = asyncio.run(stream_file(args.url, audio, language=args.language,
-                                                api_key=args.api_key or os.environ.get("REALTIME_API_KEY")))
+                                                api_key=args.api_key or os.environ.get("REALTIME_API_KEY"),
+                                                words=args.format == "words"))
     except (OSError, RuntimeError) as exc:
         print(f"realtime transcribe: {exc}", file=sys.stderr)
         return 1
     if args.format == "text":
         for f in finals:
             print(f["text"])
+    elif args.format == "words":
+        for x in (x for f in finals for x in f["words"]):
+            print(f"{x['start_ms'] / 1000:.2f}\t{x['end_ms'] / 1000:.2f}\t{x['word']}")
     else:
         print(subtitles(finals, args.format), end="")
     print(f"{len(audio) / RATE:.2f} s of audio in {time.perf_counter() - t0:.2f} s, "
@@ -881,9 +896,11 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
 
 
 async def stream_file(url: str, audio: np.ndarray, language: str | None = None, api_key: str | None = None,
-                      chunk_s: float = 0.5, pace: float | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                      chunk_s: float = 0.5, pace: float | None = None,
+                      words: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Stream 16 kHz float audio to /v1/asr (as fast as the server reads, or at ``pace`` x real time)
-    and return the finals and the done stats. Raises RuntimeError on a server error."""
+    and return the finals and the done stats (``words``: the finals carry their words' times).
+    Raises RuntimeError on a server error."""
     import msgpack
     import websockets
 
@@ -894,6 +911,8 @@ async def stream_file(url: str, audio: np.ndarray, language: str | None = None, 
         start = {"type": "start", "sample_rate": RATE, "format": "pcm_s16le", "interim": False}
         if language:
             start["language"] = language
+        if words:
+            start["words"] = True
         await ws.send(msgpack.packb(start))
         ready = msgpack.unpackb(await ws.recv())
         if ready.get("type") != "ready":

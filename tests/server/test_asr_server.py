@@ -564,6 +564,19 @@ def test_transcribe_cli_against_live_server(live) -> None:  # noqa: ANN001
                           "--format", "srt"], capture_output=True, text=True, timeout=120)
     cue = srt.stdout.split("\n")
     assert srt.returncode == 0 and cue[0] == "1" and " --> " in cue[1] and norm(cue[2]) == norm(ARCTIC), srt.stdout
+    # a line a word, start and end in seconds: from the server's finals, and --local over the file
+    lines = {}
+    for where in (["--url", f"{live.ws}/v1/asr"], ["--local"]):
+        r = subprocess.run([sys.executable, "-m", "realtime.cli", "transcribe", str(ASSET), *where, "--format", "words"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines[where[0]] = [(float(a), float(b), w) for a, b, w in (ln.split("\t") for ln in r.stdout.splitlines())]
+    served, local = lines["--url"], lines["--local"]
+    assert norm(" ".join(w for *_, w in served)) == norm(ARCTIC) and [w for *_, w in local] == [w for *_, w in served]
+    assert all(a < b for a, b, _ in served) and [a for a, *_ in served] == sorted(a for a, *_ in served)
+    # (the server aligns the VAD's segment, --local the whole file: each pads its window alike but
+    # not the same audio, and the times move by a frame or three)
+    assert max(abs(x[i] - y[i]) for x, y in zip(served, local) for i in (0, 1)) <= 0.1, (served, local)
     bad = subprocess.run([sys.executable, "-m", "realtime.cli", "transcribe", str(ASSET), "--url",
                           "ws://127.0.0.1:9/v1/asr"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
