@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import hmac
 import json
@@ -26,7 +27,7 @@ from starlette.websockets import WebSocket
 from realtime.config import ServerConfig
 from realtime.errors import AuthError, ProtocolError, RealtimeError, UnsupportedError
 from realtime.metrics import Gauge, Metrics
-from realtime.codecs.encoded import ENCODED, EncodedStream
+from realtime.codecs.encoded import FORMATS as ENCODED_FORMATS, encoder
 from realtime.protocol.tts import StartParams, parse_start
 from realtime.scheduler import Scheduler
 from realtime.service import Service
@@ -40,7 +41,8 @@ log = logging.getLogger("realtime.server")
 OPENAI_VOICES = frozenset("alloy ash ballad coral echo fable onyx nova sage shimmer verse".split())
 SPEECH_FORMATS = {"wav": ("pcm_s16le", "audio/wav"), "pcm": ("pcm_s16le", "audio/pcm"),
                   "mulaw": ("mulaw", "audio/basic"), "mp3": ("pcm_s16le", "audio/mpeg"),
-                  "opus": ("pcm_s16le", "audio/ogg"), "flac": ("pcm_s16le", "audio/flac")}
+                  "opus": ("pcm_s16le", "audio/ogg"), "flac": ("pcm_s16le", "audio/flac"),
+                  "aac": ("pcm_s16le", "audio/aac")}
 
 
 @dataclass
@@ -198,10 +200,14 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
             params, text, media = _speech_params(body, state.tts)
             fmt_name = body.get("response_format", "wav")
             sse = body.get("stream_format", "audio") == "sse"
-            # mp3, opus, flac: the PCM through an encoder (codecs/encoded.py; it refuses a format
-            # this libsndfile lacks, or a rate the format does not take)
-            enc = EncodedStream(fmt_name, params.sample_rate) if fmt_name in ENCODED else None
-            job = state.tts.new_job(params)
+            # mp3, opus, flac, aac: the PCM through an encoder (codecs/encoded.py; it refuses a
+            # format this server's libsndfile or ffmpeg lacks, or a rate the format does not take)
+            enc = encoder(fmt_name, params.sample_rate) if fmt_name in ENCODED_FORMATS else None
+            try:
+                job = state.tts.new_job(params)
+            except RealtimeError:
+                _drop(enc)
+                raise
         except RealtimeError as exc:
             return http_error(exc, 400)
         loop = asyncio.get_running_loop()
@@ -210,6 +216,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
         try:
             state.tts.submit(state.scheduler, job)
         except RealtimeError as exc:
+            _drop(enc)
             return http_error(exc, 503)
         job.push_text(text)
         job.stop()
@@ -237,8 +244,7 @@ def create_app(config: ServerConfig, tts: TTSBackend | None = None,
             finally:
                 if job.active:
                     state.scheduler.cancel(job)
-                if enc is not None:
-                    enc.close()  # (frees the encoder when the body ended early)
+                _drop(enc)  # (frees the encoder when the body ended early)
 
         if not sse:
             return StreamingResponse(audio(), media_type=media)
@@ -316,6 +322,13 @@ async def json_body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
+def _drop(enc: Any) -> None:
+    """Close an encoder whose output nobody will read (aac's ffmpeg process ends with it)."""
+    if enc is not None:
+        with contextlib.suppress(RealtimeError):
+            enc.close()
+
+
 def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, str, str]:
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
@@ -323,7 +336,7 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
     fmt_name = body.get("response_format", "wav")
     if fmt_name not in SPEECH_FORMATS:
         raise UnsupportedError(f"response_format '{str(fmt_name)[:20]}' is not supported; "
-                               "use wav, pcm, mulaw, mp3, opus or flac")
+                               "use wav, pcm, mulaw, mp3, opus, flac or aac")
     fmt, media = SPEECH_FORMATS[fmt_name]
     sf = body.get("stream_format", "audio")
     if sf not in ("audio", "sse"):
@@ -334,7 +347,7 @@ def _speech_params(body: dict[str, Any], tts: TTSBackend) -> tuple[StartParams, 
     if voice in OPENAI_VOICES:
         voice = None
     rate = {"wav": tts.native_rate, "pcm": 24000, "mulaw": 8000, "mp3": 24000, "opus": 24000,
-            "flac": tts.native_rate}[fmt_name]
+            "flac": tts.native_rate, "aac": 24000}[fmt_name]
     msg = {"type": "start", "format": fmt, "sample_rate": rate, "voice": voice, "speed": body.get("speed"),
            "seed": body.get("seed")}  # (seed: ours, as /v1/tts's: the same audio for the same seed)
     params = parse_start(msg, tts.native_rate)
