@@ -62,15 +62,16 @@ def _have(module: str) -> bool:
 CLI_MODULES = ("realtime.asr_service", "realtime.text_service", "realtime.agent_service", "realtime.image_service")
 
 
-# an output file's suffix -> its format: wav, or one of codecs/encoded.py's (their libsndfile settings)
-AUDIO_SUFFIXES = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".ogg": "opus", ".opus": "opus"}
+# an output file's suffix -> its format: wav, or one of codecs/encoded.py's
+AUDIO_SUFFIXES = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".ogg": "opus", ".opus": "opus", ".aac": "aac"}
 
 
 def _write_audio(path: str, audio: np.ndarray, rate: int) -> None:
-    """Write by the file's suffix: .wav (16-bit), or .flac, .mp3, .ogg / .opus as /v1/audio/speech encodes them."""
+    """Write by the file's suffix: .wav (16-bit), or .flac, .mp3, .ogg / .opus, .aac as
+    /v1/audio/speech encodes them."""
     import soundfile as sf
 
-    from realtime.codecs.encoded import ENCODED, check
+    from realtime.codecs.encoded import ENCODED, FFMPEG, check, encoder
     from realtime.errors import UnsupportedError
 
     name = AUDIO_SUFFIXES.get(Path(path).suffix.lower())
@@ -82,8 +83,14 @@ def _write_audio(path: str, audio: np.ndarray, rate: int) -> None:
     try:
         check(name, rate)
     except UnsupportedError as exc:
-        raise ValueError(f"{exc.message} (--sample-rate 24000 takes one)") from None
-    fmt, sub, extra, _ = ENCODED[name]
+        hint = " (--sample-rate 24000 takes one)" if name == "opus" else ""
+        raise ValueError(exc.message + hint) from None
+    if name in FFMPEG:  # (aac: the stream's encoder, its PCM as the server's s16le)
+        enc = encoder(name, rate)
+        pcm = (np.clip(np.asarray(audio, np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+        Path(path).write_bytes(enc.push(pcm) + enc.close())
+        return
+    fmt, sub, extra, _ = ENCODED[name]  # (a file libsndfile can seek in: mp3 gets its Xing frame)
     with sf.SoundFile(path, "w", samplerate=rate, channels=1, format=fmt, subtype=sub, **extra) as f:
         f.write(audio)
 
@@ -177,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     y = sub.add_parser("say", help="speak TEXT into an audio file (wav, flac, mp3, ogg)")
     y.add_argument("text", help="the text ('-' reads stdin)")
-    y.add_argument("-o", "--output", required=True, help="a .wav, .flac, .mp3 or .ogg/.opus file (by its suffix)")
+    y.add_argument("-o", "--output", required=True, help="a .wav, .flac, .mp3, .ogg/.opus or .aac file (by its suffix)")
     y.add_argument("--url", default="ws://127.0.0.1:8000/v1/tts")
     y.add_argument("--api-key", default=None)
     y.add_argument("--local", action="store_true", help="synthesize in this process (no server)")

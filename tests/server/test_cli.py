@@ -27,9 +27,18 @@ def test_say_through_server_and_local(piper_backend, tmp_path) -> None:  # noqa:
         assert r.returncode == 0 and mp3.read_bytes()[:2] in (b"ID", b"\xff\xfb", b"\xff\xf3"), r.stderr[-2000:]
         with sf.SoundFile(mp3) as f:
             assert f.samplerate == 24000 and f.format == "MP3" and f.frames > 12000
-        r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hi.", "-o", str(tmp_path / "x.aac"),
+        aac = tmp_path / "hello.aac"  # (ADTS frames: the bundled ffmpeg reads them back)
+        r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hello there.", "-o", str(aac),
                             "--url", f"{live.ws}/v1/tts"], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 2 and ".aac" in r.stderr and "Traceback" not in r.stderr
+        assert r.returncode == 0 and aac.read_bytes()[:2] == b"\xff\xf1", r.stderr[-2000:]
+        import imageio_ffmpeg
+
+        dec = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-i", str(aac), "-f", "s16le",
+                              "-ac", "1", "pipe:1"], capture_output=True, check=True)
+        assert len(dec.stdout) // 2 > 12000  # over half a second at 24 kHz
+        r = subprocess.run([sys.executable, "-m", "realtime.cli", "say", "Hi.", "-o", str(tmp_path / "x.wma"),
+                            "--url", f"{live.ws}/v1/tts"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and ".wma" in r.stderr and "Traceback" not in r.stderr
     audio, rate = sf.read(out)
     assert rate == 24000 and 1.0 < len(audio) / rate < 5.0
     assert np.sqrt(np.mean(audio ** 2)) > 0.02
