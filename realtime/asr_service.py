@@ -479,13 +479,14 @@ class DecodeLane(Lane):
         longest = max(len(r.audio) for r in rows) / RATE
         max_tokens = int(min(224, 16 + 8 * longest))  # bounds a looping decode; speech is ~4 tokens/s
         texts: list[str] = [""] * len(rows)
-        groups: dict[str | None, list[int]] = {}
+        groups: dict[tuple[str | None, str], list[int]] = {}  # rows by (language, task)
         for i, r in enumerate(rows):
-            groups.setdefault(r.job.params.language if w.is_multilingual else None, []).append(i)
-        for lang, idx in groups.items():
+            p = r.job.params
+            groups.setdefault((p.language, p.task) if w.is_multilingual else (None, "transcribe"), []).append(i)
+        for (lang, task), idx in groups.items():
             prompts = [self._prompt(rows[i].utt) for i in idx]
             sel = enc if len(idx) == len(rows) else enc[torch.tensor(idx, device=enc.device)]
-            ids = w.decode_greedy(sel, language=lang, max_tokens=max_tokens,
+            ids = w.decode_greedy(sel, language=lang, task=task, max_tokens=max_tokens,
                                   prompt_ids=prompts if any(prompts) else None, cache=self.cache)
             for i, row_ids in zip(idx, ids, strict=True):
                 texts[i] = w.decode_text(row_ids).strip() if len(rows[i].audio) else ""
@@ -628,12 +629,18 @@ class ASRService(Service):
             await run_websocket(state(), ws, lambda st, conn: ASRSession(st, conn, self).run())
 
         async def transcriptions(request) -> Any:  # noqa: ANN001 - starlette Request
-            return await self._transcriptions(state(), request)
+            return await self._audio_file(state(), request, "transcribe")
+
+        async def translations(request) -> Any:  # noqa: ANN001 - starlette Request
+            return await self._audio_file(state(), request, "translate")
 
         return [WebSocketRoute("/v1/asr", asr_ws),
-                Route("/v1/audio/transcriptions", transcriptions, methods=["POST"])]
+                Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
+                Route("/v1/audio/translations", translations, methods=["POST"])]
 
-    async def _transcriptions(self, st: "AppState", request: Any) -> Any:
+    async def _audio_file(self, st: "AppState", request: Any, task: str) -> Any:
+        """OpenAI's /v1/audio/transcriptions (``task`` transcribe) and /v1/audio/translations
+        (translate: English text, from a multilingual model; no word timestamps)."""
         from starlette.responses import JSONResponse, PlainTextResponse
 
         from realtime.server import authorized, http_error
@@ -668,12 +675,14 @@ class ASRService(Service):
             if "word" in grains and fmt != "verbose_json":
                 raise UnsupportedError("word timestamps need response_format 'verbose_json' "
                                        f"(not '{fmt}'), as in OpenAI's API")
+            if "word" in grains and task == "translate":
+                raise UnsupportedError("translations have no word timestamps (the words are not the audio's)")
             lang = form.get("language")
-            params = parse_start({"type": "start", "language": lang or None}, self.languages)
+            params = parse_start({"type": "start", "language": lang or None, "task": task}, self.languages)
             audio = decode_audio_file(data, self.cfg.max_file_s)
         except RealtimeError as exc:
             return http_error(exc, 400)
-        params = ASRParams(language=params.language, interim=False, words="word" in grains)
+        params = ASRParams(language=params.language, interim=False, words="word" in grains, task=task)
         job = self.new_job(params, live=False, max_inbox_s=self.cfg.max_file_s + 1)
         wake = asyncio.Event()
         job.output.bind(asyncio.get_running_loop(), wake)
@@ -704,8 +713,10 @@ class ASRService(Service):
             return JSONResponse({"text": text})
         if fmt in ("srt", "vtt"):
             return PlainTextResponse(subtitles(finals, fmt), media_type="text/vtt" if fmt == "vtt" else "text/plain")
-        body: dict[str, Any] = {"task": "transcribe", "language": params.language or "en",
-                                "duration": round(len(audio) / RATE, 3), "text": text}
+        # (language: the text's: the one asked for, else en; a translation's is en)
+        lang_out = (params.language or "en") if task == "transcribe" else "en"
+        body: dict[str, Any] = {"task": task, "language": lang_out, "duration": round(len(audio) / RATE, 3),
+                                "text": text}
         # As OpenAI: segments unless only words are asked for, words when they are.
         if grains != {"word"}:
             body["segments"] = [{"id": i, "start": f["start_ms"] / 1000, "end": f["end_ms"] / 1000, "text": f["text"]}

@@ -6,7 +6,7 @@ States::
                              |  ^ audio / finalize
     any state --protocol error--> FAILED
 
-Client messages: ``start`` (sample_rate, format, language?, interim?, preview?, words?), ``audio`` (bytes of the
+Client messages: ``start`` (sample_rate, format, language?, interim?, preview?, words?, task?), ``audio`` (bytes of the
 start's format, any length that is a whole number of samples), ``finalize`` (end the current
 utterance now), ``stop`` (finalize, then the server sends ``done`` and closes 1000).
 """
@@ -21,6 +21,9 @@ from typing import Any
 from realtime.codecs.resample import BYTES_PER_SAMPLE
 from realtime.errors import ProtocolError, StateError, UnsupportedError
 from realtime.protocol.messages import AUDIO_FORMATS, SAMPLE_RATES
+
+
+TASKS = ("transcribe", "translate")
 
 
 class ASRState(str, Enum):
@@ -39,6 +42,7 @@ class ASRParams:
     interim: bool = True  # send revisable partials
     preview: bool = False  # send final_preview (the likely final, when silence begins) and speech_resumed
     words: bool = False  # each final carries its words' times (one alignment pass a final)
+    task: str = "transcribe"  # or "translate": English text from speech in another language
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,8 @@ def _field(msg: dict[str, Any], name: str, kind: type) -> Any:
 
 
 def parse_start(msg: dict[str, Any], languages: Collection[str] | None = None) -> ASRParams:
-    """Validate a start message. ``languages``: codes the model knows (None: any is passed on)."""
+    """Validate a start message. ``languages``: codes the model knows (None: any is passed on; only
+    ``en``: an English-only model, which cannot translate)."""
     rate = _field(msg, "sample_rate", int) or 16000
     if rate not in SAMPLE_RATES:
         raise UnsupportedError(f"sample_rate {rate} is not supported; use one of {SAMPLE_RATES}")
@@ -91,8 +96,13 @@ def parse_start(msg: dict[str, Any], languages: Collection[str] | None = None) -
     interim = _field(msg, "interim", bool)
     preview = _field(msg, "preview", bool)
     words = _field(msg, "words", bool)
+    task = _field(msg, "task", str) or "transcribe"
+    if task not in TASKS:
+        raise UnsupportedError(f"task '{task[:20]}' is not supported; use transcribe or translate")
+    if task == "translate" and languages is not None and tuple(languages) == ("en",):
+        raise UnsupportedError("this model is English-only: translation needs a multilingual Whisper")
     return ASRParams(sample_rate=rate, format=fmt, language=lang, interim=True if interim is None else interim,
-                     preview=bool(preview), words=bool(words))
+                     preview=bool(preview), words=bool(words), task=task)
 
 
 class ASRProtocol:

@@ -13,6 +13,7 @@ import soundfile as sf
 import torch
 
 from realtime.engines.whisper import Whisper, default_model_dir
+from whisper_random import save_random_whisper
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 ARCTIC = ASSETS / "arctic_a0009.wav"
@@ -31,40 +32,6 @@ def _arctic() -> np.ndarray:
 
 # --------------------------------------------------------------------------------------------
 # Random HF checkpoints vs transformers' generate
-
-
-def _save_random_hf(d: Path, multilingual: bool, n_mels: int = 80, vocab: int | None = None):
-    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
-
-    torch.manual_seed(0)
-    vocab = vocab or (51865 if multilingual else 51864)
-    eot, sot = (50257, 50258) if multilingual else (50256, 50257)
-    no_ts = vocab - 1502  # Whisper's fixed layout: <|notimestamps|>, then 1501 timestamps
-    cfg = WhisperConfig(
-        vocab_size=vocab, num_mel_bins=n_mels, d_model=64, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-        decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=448,
-        # Wider init than the default 0.02 so the random logits have clear winners: a
-        # near-tie would make greedy parity depend on float rounding, not on correctness.
-        init_std=0.2, pad_token_id=eot, bos_token_id=eot, eos_token_id=eot,
-        decoder_start_token_id=sot,
-    )
-    model = WhisperForConditionalGeneration(cfg).eval()
-    # Like real openai/whisper-* generation configs: the non-speech list plus the task and
-    # start tokens, blank + eot suppressed at the first sampled step.
-    gen = GenerationConfig(
-        decoder_start_token_id=sot, eos_token_id=eot, pad_token_id=eot, bos_token_id=eot,
-        no_timestamps_token_id=no_ts, prev_sot_token_id=no_ts - 2, is_multilingual=multilingual,
-        suppress_tokens=[1, 2, 7, 8, 9, 10, 14, 25, 26, 27, 28, 29, 31, 58, 59, 60, 61, 62, 63]
-        + [no_ts - 5, no_ts - 4, no_ts - 3, no_ts - 2, no_ts - 1, sot],
-        begin_suppress_tokens=[220, eot], max_length=448,
-    )
-    if multilingual:
-        gen.lang_to_id = {"<|en|>": 50259, "<|zh|>": 50260, "<|de|>": 50261, "<|es|>": 50262}
-        gen.task_to_id = {"translate": no_ts - 5, "transcribe": no_ts - 4}
-    model.generation_config = gen
-    model.save_pretrained(d)
-    return model
 
 
 def _two_inputs(ours: Whisper) -> torch.Tensor:
@@ -90,18 +57,18 @@ def _hf_generate(model, mel, **kw) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_en(tmp_path_factory):
     d = tmp_path_factory.mktemp("whisper_hf_en")
-    return _save_random_hf(d, multilingual=False), Whisper.from_pretrained(d)
+    return save_random_whisper(d, multilingual=False), Whisper.from_pretrained(d)
 
 
 @pytest.fixture(scope="module")
 def hf_multi(tmp_path_factory):
     d = tmp_path_factory.mktemp("whisper_hf_multi")
-    return _save_random_hf(d, multilingual=True), Whisper.from_pretrained(d)
+    return save_random_whisper(d, multilingual=True), Whisper.from_pretrained(d)
 
 
 def test_hf_large_v3_layout_128_mels(tmp_path):
     """large-v3 layout: 128 mels, 100 languages (vocab 51866), special ids shifted by one."""
-    model = _save_random_hf(tmp_path, multilingual=True, n_mels=128, vocab=51866)
+    model = save_random_whisper(tmp_path, multilingual=True, n_mels=128, vocab=51866)
     ours = Whisper.from_pretrained(tmp_path)
     assert ours.n_mels == 128 and ours.is_multilingual
     assert ours.tokens.no_timestamps == 50364 and ours.tokens.transcribe == 50360

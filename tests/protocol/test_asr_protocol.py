@@ -19,9 +19,10 @@ def test_start_defaults_and_fields() -> None:
     p = started()
     assert p.params == ASRParams(sample_rate=16000, format="pcm_s16le", language=None, interim=True)
     assert p.state is ASRState.STREAMING
-    q = started(sample_rate=8000, format="mulaw", language="EN", interim=False, preview=True)
-    assert q.params == ASRParams(sample_rate=8000, format="mulaw", language="en", interim=False, preview=True)
-    assert not p.params.preview
+    q = started(sample_rate=8000, format="mulaw", language="EN", interim=False, preview=True, words=True)
+    assert q.params == ASRParams(sample_rate=8000, format="mulaw", language="en", interim=False, preview=True,
+                                 words=True)
+    assert not p.params.preview and not p.params.words and p.params.task == "transcribe"
     for rate in (8000, 16000, 22050, 24000, 48000):
         assert parse_start({"type": "start", "sample_rate": rate}).sample_rate == rate
 
@@ -35,6 +36,10 @@ def test_start_defaults_and_fields() -> None:
     ({"language": 3}, ProtocolError, "bad_field"),
     ({"interim": "yes"}, ProtocolError, "bad_field"),
     ({"preview": 1}, ProtocolError, "bad_field"),
+    ({"words": "yes"}, ProtocolError, "bad_field"),
+    ({"task": "translate"}, UnsupportedError, "unsupported"),  # English-only model
+    ({"task": "summarize"}, UnsupportedError, "unsupported"),
+    ({"task": 1}, ProtocolError, "bad_field"),
 ])
 def test_bad_start(fields: dict, err: type, code: str) -> None:
     p = ASRProtocol(languages=("en",))
@@ -47,6 +52,7 @@ def test_bad_start(fields: dict, err: type, code: str) -> None:
 def test_any_language_when_the_model_lists_none() -> None:
     assert parse_start({"type": "start", "language": "fr"}, None).language == "fr"
     assert parse_start({"type": "start", "language": "de"}, ("de", "en")).language == "de"
+    assert parse_start({"type": "start", "task": "translate"}, ("de", "en")).task == "translate"
 
 
 def test_audio_sizes_per_format() -> None:

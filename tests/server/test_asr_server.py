@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import re
@@ -87,7 +88,8 @@ class Result:
 
 async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm_s16le", chunk_ms: int = 20,
                  pace: float | None = 1.0, interim: bool = True, json_frames: bool = False,
-                 preview: bool = False, words: bool = False) -> Result:
+                 preview: bool = False, words: bool = False, task: str | None = None,
+                 expect_ready: bool = True) -> Result:
     """Send ``audio`` (float, at ``rate``) in chunks at ``pace`` x real time, then stop; collect replies."""
     res = Result(pace=pace or 1.0)
 
@@ -103,11 +105,18 @@ async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm
             start["preview"] = True
         if words:
             start["words"] = True
+        if task:
+            start["task"] = task
         await ws.send(enc(start))
         ready = await ws.recv()
         ready = json.loads(ready) if isinstance(ready, str) else msgpack.unpackb(ready)
-        assert ready["type"] == "ready", ready
         res.messages.append((time.monotonic(), ready))
+        if not expect_ready:  # (a start the server refuses: its error, then the close)
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await ws.recv()
+            res.close_code = ws.close_code
+            return res
+        assert ready["type"] == "ready", ready
 
         async def send() -> None:
             n = rate * chunk_ms // 1000
