@@ -96,3 +96,23 @@ async def test_english_only_model_refuses_to_translate(piper_backend) -> None:  
         assert r.status_code == 400 and "English-only" in r.json()["error"]["message"], r.text
         res = await stream(f"{srv.ws}/v1/asr", _speech()[:16000], pace=None, task="translate", expect_ready=False)
         assert res.of("error") and "English-only" in res.of("error")[0]["message"], res.messages
+
+
+def test_openai_sdk_translations_and_word_timestamps(multi, tmp_path) -> None:  # noqa: ANN001
+    """The official ``openai`` SDK against the served endpoints: translations (text, and
+    verbose_json's task), and transcriptions with word timestamps (its ``words``)."""
+    from openai import OpenAI
+
+    path = tmp_path / "speech.wav"
+    path.write_bytes(_wav(_speech()))
+    client = OpenAI(base_url=f"{multi.http}/v1", api_key="unused-on-loopback")
+    with path.open("rb") as f:
+        text = client.audio.translations.create(model="whisper-1", file=f)
+    with path.open("rb") as f:
+        verbose = client.audio.translations.create(model="whisper-1", file=f, response_format="verbose_json")
+    assert text.text == verbose.text and verbose.task == "translate"
+    with path.open("rb") as f:
+        words = client.audio.transcriptions.create(model="whisper-1", file=f, response_format="verbose_json",
+                                                   timestamp_granularities=["word"])
+    assert words.words and all(w.start <= w.end for w in words.words)  # (random weights: some are 0 long)
+    assert "".join(w.word for w in words.words) == words.text.replace(" ", "")
