@@ -747,15 +747,18 @@ class Whisper:
         return self.tokenizer.decode([int(i) for i in ids if int(i) < self.tokens.eot],
                                      skip_special_tokens=False)
 
-    def transcribe(self, audio, language: str | None = None) -> str:
-        """Mono 16 kHz float audio (numpy or tensor) -> text. Longer audio goes in 30 s windows."""
+    def transcribe(self, audio, language: str | None = None, prompt: str | None = None) -> str:
+        """Mono 16 kHz float audio (numpy or tensor) -> text. Longer audio goes in 30 s windows.
+        ``prompt``: text before the speech, given to the first window (faster-whisper's
+        ``initial_prompt`` without conditioning on the previous window)."""
         x = torch.as_tensor(np.asarray(audio, dtype=np.float32) if not torch.is_tensor(audio) else audio)
         x = x.reshape(-1).float()
         n = self.mel.cfg.n_samples
         windows = [x[i : i + n] for i in range(0, max(x.numel(), 1), n)]
         texts = []
-        for w in windows:
+        prev = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False).ids if prompt else None
+        for k, w in enumerate(windows):
             mel = self.log_mel(w[None])
-            ids = self.decode_greedy(self.encode(mel), language=language)[0]
+            ids = self.decode_greedy(self.encode(mel), language=language, prompt_ids=prev if k == 0 else None)[0]
             texts.append(self.decode_text(ids).strip())
         return " ".join(s for s in texts if s)

@@ -484,7 +484,7 @@ class DecodeLane(Lane):
             p = r.job.params
             groups.setdefault((p.language, p.task) if w.is_multilingual else (None, "transcribe"), []).append(i)
         for (lang, task), idx in groups.items():
-            prompts = [self._prompt(rows[i].utt) for i in idx]
+            prompts = [self._prompt(rows[i].job, rows[i].utt) for i in idx]
             sel = enc if len(idx) == len(rows) else enc[torch.tensor(idx, device=enc.device)]
             ids = w.decode_greedy(sel, language=lang, task=task, max_tokens=max_tokens,
                                   prompt_ids=prompts if any(prompts) else None, cache=self.cache)
@@ -502,12 +502,14 @@ class DecodeLane(Lane):
             r.job.compute_s += dt
             r.job.maybe_finish()
 
-    def _prompt(self, u: Utterance) -> list[int]:
-        # After a cut, the words already final in this utterance condition the next segment.
+    def _prompt(self, job: ASRJob, u: Utterance) -> list[int]:
+        """The tokens before a decode's start: the start's ``prompt``, then (after a cut) the words
+        already final in this utterance (decode_greedy keeps the last 223, as Whisper does)."""
         ctx = u.policy.context[-40:]
-        if not ctx:
+        text = " ".join(([job.params.prompt] if job.params.prompt else []) + ctx)
+        if not text:
             return []
-        return self.whisper.tokenizer.encode(" " + " ".join(ctx), add_special_tokens=False).ids
+        return self.whisper.tokenizer.encode(" " + text, add_special_tokens=False).ids
 
     def _words(self, job: ASRJob, ev: AsrEvent) -> list[dict[str, Any]]:
         """A final's words with their times in the stream (ms): an alignment pass of its text
@@ -678,11 +680,13 @@ class ASRService(Service):
             if "word" in grains and task == "translate":
                 raise UnsupportedError("translations have no word timestamps (the words are not the audio's)")
             lang = form.get("language")
-            params = parse_start({"type": "start", "language": lang or None, "task": task}, self.languages)
+            params = parse_start({"type": "start", "language": lang or None, "task": task,
+                                  "prompt": form.get("prompt") or None}, self.languages)
             audio = decode_audio_file(data, self.cfg.max_file_s)
         except RealtimeError as exc:
             return http_error(exc, 400)
-        params = ASRParams(language=params.language, interim=False, words="word" in grains, task=task)
+        params = ASRParams(language=params.language, interim=False, words="word" in grains, task=task,
+                           prompt=params.prompt)
         job = self.new_job(params, live=False, max_inbox_s=self.cfg.max_file_s + 1)
         wake = asyncio.Event()
         job.output.bind(asyncio.get_running_loop(), wake)
@@ -851,6 +855,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--local", action="store_true", help="recognise in this process (no server)")
     p.add_argument("--model", default=None, help="with --local: a Whisper folder (default: embedded tiny.en)")
     p.add_argument("--language", default=None)
+    p.add_argument("--prompt", default=None, help="text before the speech (names, spellings, a style)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--device", default="cpu", help="with --local: cpu, cuda:0")
     p.add_argument("--exact", action="store_true", help="with --local on a CPU: float32 throughout (else bf16 "
@@ -874,7 +879,7 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         w = Whisper.from_pretrained(args.model, device=args.device, cpu_native=not args.exact)
-        text = w.transcribe(audio, language=args.language)
+        text = w.transcribe(audio, language=args.language, prompt=args.prompt)
         if args.format == "text":
             print(text)
         elif args.format == "words":
@@ -889,7 +894,7 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
     try:
         finals, stats = asyncio.run(stream_file(args.url, audio, language=args.language,
                                                 api_key=args.api_key or os.environ.get("REALTIME_API_KEY"),
-                                                words=args.format == "words"))
+                                                words=args.format == "words", prompt=args.prompt))
     except (OSError, RuntimeError) as exc:
         print(f"realtime transcribe: {exc}", file=sys.stderr)
         return 1
@@ -907,11 +912,11 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
 
 
 async def stream_file(url: str, audio: np.ndarray, language: str | None = None, api_key: str | None = None,
-                      chunk_s: float = 0.5, pace: float | None = None,
-                      words: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                      chunk_s: float = 0.5, pace: float | None = None, words: bool = False,
+                      prompt: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Stream 16 kHz float audio to /v1/asr (as fast as the server reads, or at ``pace`` x real time)
-    and return the finals and the done stats (``words``: the finals carry their words' times).
-    Raises RuntimeError on a server error."""
+    and return the finals and the done stats (``words``: the finals carry their words' times;
+    ``prompt``: the start's). Raises RuntimeError on a server error."""
     import msgpack
     import websockets
 
@@ -924,6 +929,8 @@ async def stream_file(url: str, audio: np.ndarray, language: str | None = None, 
             start["language"] = language
         if words:
             start["words"] = True
+        if prompt:
+            start["prompt"] = prompt
         await ws.send(msgpack.packb(start))
         ready = msgpack.unpackb(await ws.recv())
         if ready.get("type") != "ready":

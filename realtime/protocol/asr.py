@@ -6,7 +6,7 @@ States::
                              |  ^ audio / finalize
     any state --protocol error--> FAILED
 
-Client messages: ``start`` (sample_rate, format, language?, interim?, preview?, words?, task?), ``audio`` (bytes of the
+Client messages: ``start`` (sample_rate, format, language?, interim?, preview?, words?, task?, prompt?), ``audio`` (bytes of the
 start's format, any length that is a whole number of samples), ``finalize`` (end the current
 utterance now), ``stop`` (finalize, then the server sends ``done`` and closes 1000).
 """
@@ -24,6 +24,7 @@ from realtime.protocol.messages import AUDIO_FORMATS, SAMPLE_RATES
 
 
 TASKS = ("transcribe", "translate")
+MAX_PROMPT_CHARS = 2000  # (Whisper keeps a prompt's last 223 tokens: ~1,000 characters of English)
 
 
 class ASRState(str, Enum):
@@ -43,6 +44,7 @@ class ASRParams:
     preview: bool = False  # send final_preview (the likely final, when silence begins) and speech_resumed
     words: bool = False  # each final carries its words' times (one alignment pass a final)
     task: str = "transcribe"  # or "translate": English text from speech in another language
+    prompt: str | None = None  # text before the speech (vocabulary, spelling, style): Whisper's initial prompt
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,12 @@ def parse_start(msg: dict[str, Any], languages: Collection[str] | None = None) -
         raise UnsupportedError(f"task '{task[:20]}' is not supported; use transcribe or translate")
     if task == "translate" and languages is not None and tuple(languages) == ("en",):
         raise UnsupportedError("this model is English-only: translation needs a multilingual Whisper")
+    prompt = _field(msg, "prompt", str)
+    if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
+        raise ProtocolError(f"'prompt' may hold at most {MAX_PROMPT_CHARS} characters", code="too_long")
+    prompt = (prompt or "").strip() or None
     return ASRParams(sample_rate=rate, format=fmt, language=lang, interim=True if interim is None else interim,
-                     preview=bool(preview), words=bool(words), task=task)
+                     preview=bool(preview), words=bool(words), task=task, prompt=prompt)
 
 
 class ASRProtocol:

@@ -145,9 +145,9 @@ def faster():
     return WhisperModel(str(default_model_dir()), device="cpu", compute_type="float32")
 
 
-def _faster_text(fw, audio: np.ndarray) -> str:
+def _faster_text(fw, audio: np.ndarray, **kw) -> str:
     segments, _ = fw.transcribe(audio, beam_size=1, vad_filter=False, without_timestamps=True,
-                                condition_on_previous_text=False, temperature=0.0)
+                                condition_on_previous_text=False, temperature=0.0, **kw)
     return "".join(s.text for s in segments).strip()
 
 
@@ -170,6 +170,16 @@ def test_tiny_en_arctic_equals_faster_whisper_and_is_correct(tiny, faster):
     ours = tiny.transcribe(audio)
     assert ours == _faster_text(faster, audio)
     assert _norm(ours) == _norm(ARCTIC_TEXT)
+
+
+def test_tiny_en_prompt_equals_faster_whisper_initial_prompt(tiny, faster):
+    """A prompt in one style (lower case, no punctuation) moves the transcript to it, as
+    faster-whisper's ``initial_prompt`` does, token for token."""
+    prompt = "hello my name is bob and i like writing without capitals or punctuation"
+    audio = _arctic()
+    ours = tiny.transcribe(audio, prompt=prompt)
+    assert ours == _faster_text(faster, audio, initial_prompt=prompt)
+    assert ours != tiny.transcribe(audio) and ours == ours.lower() and "." not in ours
 
 
 def _resample(x: np.ndarray, sr_in: int, sr_out: int, half_taps: int = 32) -> np.ndarray:

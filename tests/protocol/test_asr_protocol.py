@@ -40,6 +40,8 @@ def test_start_defaults_and_fields() -> None:
     ({"task": "translate"}, UnsupportedError, "unsupported"),  # English-only model
     ({"task": "summarize"}, UnsupportedError, "unsupported"),
     ({"task": 1}, ProtocolError, "bad_field"),
+    ({"prompt": 3}, ProtocolError, "bad_field"),
+    ({"prompt": "x" * 2001}, ProtocolError, "too_long"),
 ])
 def test_bad_start(fields: dict, err: type, code: str) -> None:
     p = ASRProtocol(languages=("en",))
@@ -53,6 +55,11 @@ def test_any_language_when_the_model_lists_none() -> None:
     assert parse_start({"type": "start", "language": "fr"}, None).language == "fr"
     assert parse_start({"type": "start", "language": "de"}, ("de", "en")).language == "de"
     assert parse_start({"type": "start", "task": "translate"}, ("de", "en")).task == "translate"
+
+
+def test_prompt_is_kept_stripped_and_blank_is_none() -> None:
+    assert parse_start({"type": "start", "prompt": "  Gregson, Holmes. "}).prompt == "Gregson, Holmes."
+    assert parse_start({"type": "start", "prompt": "   "}).prompt is None
 
 
 def test_audio_sizes_per_format() -> None:

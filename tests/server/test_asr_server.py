@@ -89,7 +89,7 @@ class Result:
 async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm_s16le", chunk_ms: int = 20,
                  pace: float | None = 1.0, interim: bool = True, json_frames: bool = False,
                  preview: bool = False, words: bool = False, task: str | None = None,
-                 expect_ready: bool = True) -> Result:
+                 expect_ready: bool = True, prompt: str | None = None) -> Result:
     """Send ``audio`` (float, at ``rate``) in chunks at ``pace`` x real time, then stop; collect replies."""
     res = Result(pace=pace or 1.0)
 
@@ -107,6 +107,8 @@ async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm
             start["words"] = True
         if task:
             start["task"] = task
+        if prompt:
+            start["prompt"] = prompt
         await ws.send(enc(start))
         ready = await ws.recv()
         ready = json.loads(ready) if isinstance(ready, str) else msgpack.unpackb(ready)
@@ -558,6 +560,24 @@ async def test_words_over_the_socket(live, arctic) -> None:  # noqa: ANN001
     # (the speech starts 800 ms in; the alignment's times are whole 10 ms steps)
     assert 700 <= final["start_ms"] <= times[0] + 10 and times[-1] <= final["end_ms"] + 10, (final, times)
     assert all(t % 10 == 0 for t in times)
+
+
+async def test_prompt_goes_before_the_decodes(live, arctic) -> None:  # noqa: ANN001
+    """A prompt (the form's field, the start's over the socket) conditions the decodes: in a style
+    of its own (lower case, no punctuation), the transcript takes that style, the same both ways."""
+    prompt = "hello my name is bob and i like writing without capitals or punctuation"
+    wav = _wav(speech(arctic, 0.2, 0.3), 16000)
+    url = f"{live.http}/v1/audio/transcriptions"
+    async with httpx.AsyncClient(timeout=60) as c:
+        plain = (await c.post(url, files={"file": ("a.wav", wav)})).json()["text"]
+        r = await c.post(url, files={"file": ("a.wav", wav)}, data={"prompt": prompt})
+        assert r.status_code == 200, r.text
+        long = await c.post(url, files={"file": ("a.wav", wav)}, data={"prompt": "x" * 2001})
+        assert long.status_code == 400 and "prompt" in long.json()["error"]["message"], long.text
+    text = r.json()["text"]
+    assert norm(plain) == norm(ARCTIC) and text != plain and text == text.lower() and "." not in text
+    res = await stream(f"{live.ws}/v1/asr", speech(arctic, 0.2, 0.3), pace=None, interim=False, prompt=prompt)
+    assert [m["text"] for m in res.of("final")] == [text]
 
 
 def test_transcribe_cli_against_live_server(live) -> None:  # noqa: ANN001
