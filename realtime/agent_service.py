@@ -183,7 +183,8 @@ class OpenAIRealtimeSession(_AgentBridge):
             turn_detection=td is not None, create_response=td.create_response if td else False,
             interrupt_response=td.interrupt_response if td else False,
             silence_duration_ms=td.silence_duration_ms if td else 500,
-            interim_transcripts=self.base.interim_transcripts, preemptive=self.base.preemptive,
+            interim_transcripts=self.base.interim_transcripts, asr_prompt=c.transcription_prompt,
+            preemptive=self.base.preemptive,
             max_history_messages=self.base.max_history_messages, max_history_chars=self.base.max_history_chars)
 
     async def send(self, ev: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from realtime.errors import ProtocolError, RealtimeError, UnsupportedError
+from realtime.protocol.asr import MAX_PROMPT_CHARS
 
 # wire format name -> (our sample format, sample rate)
 AUDIO_FORMATS: dict[str, tuple[str, int]] = {
@@ -77,6 +78,7 @@ class SessionConfig:
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     max_output_tokens: int | None = None
     transcription_model: str | None = "whisper"
+    transcription_prompt: str | None = None  # text before the user's speech in every decode (names, spellings)
 
     @property
     def input_codec(self) -> tuple[str, int]:
@@ -100,12 +102,24 @@ def session_object(cfg: SessionConfig, session_id: str, voice_default: str) -> d
         "tools": [], "tool_choice": "none",
         "audio": {
             "input": {"format": _fmt_wire(cfg.input_format), "noise_reduction": None,
-                      "transcription": ({"model": cfg.transcription_model}
+                      "transcription": ({"model": cfg.transcription_model, "prompt": cfg.transcription_prompt or ""}
                                         if cfg.transcription_model is not None else None),
                       "turn_detection": cfg.turn_detection.to_wire() if cfg.turn_detection else None},
             "output": {"format": _fmt_wire(cfg.output_format), "voice": cfg.voice or voice_default, "speed": 1.0},
         },
     }
+
+
+def _prompt(value: Any) -> str | None:
+    """transcription.prompt: text (at most MAX_PROMPT_CHARS, as /v1/asr's), blank or absent: none."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad("'prompt' must be a string", "invalid_type", "session.audio.input.transcription.prompt")
+    if len(value) > MAX_PROMPT_CHARS:
+        raise _bad(f"'prompt' may hold at most {MAX_PROMPT_CHARS} characters", "invalid_value",
+                   "session.audio.input.transcription.prompt")
+    return value.strip() or None
 
 
 def _bad(message: str, code: str = "invalid_value", param: str | None = None) -> ProtocolError:
@@ -242,7 +256,8 @@ def apply_session_update(cfg: SessionConfig, session: Any, *, voice_locked: bool
         tr = inp["transcription"] if "transcription" in inp else session["input_audio_transcription"]
         if tr is not None and not isinstance(tr, dict):
             raise _bad("'transcription' must be an object or null", "invalid_type", "session.audio.input.transcription")
-        out = replace(out, transcription_model=None if tr is None else str(tr.get("model") or "whisper")[:64])
+        out = replace(out, transcription_model=None if tr is None else str(tr.get("model") or "whisper")[:64],
+                      transcription_prompt=None if tr is None else _prompt(tr.get("prompt")))
     return out
 
 

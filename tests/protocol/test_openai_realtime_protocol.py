@@ -99,6 +99,23 @@ def test_session_update_ga_fields() -> None:
     assert oa.apply_session_update(again, {"max_output_tokens": "inf"}).max_output_tokens is None
 
 
+def test_transcription_prompt() -> None:
+    """audio.input.transcription.prompt (the beta input_audio_transcription's too): kept stripped,
+    echoed in the session object; null transcription drops it with the model."""
+    new = oa.apply_session_update(oa.SessionConfig(), {"audio": {"input": {"transcription": {
+        "model": "whisper-1", "prompt": " Gregson, Holmes "}}}})
+    assert new.transcription_model == "whisper-1" and new.transcription_prompt == "Gregson, Holmes"
+    assert oa.session_object(new, "s", "v")["audio"]["input"]["transcription"] == {"model": "whisper-1",
+                                                                                   "prompt": "Gregson, Holmes"}
+    beta = oa.apply_session_update(oa.SessionConfig(), {"input_audio_transcription": {"prompt": "Lestrade"}})
+    assert beta.transcription_prompt == "Lestrade"
+    off = oa.apply_session_update(new, {"audio": {"input": {"transcription": None}}})
+    assert off.transcription_model is None and off.transcription_prompt is None
+    for bad in (5, "x" * 2001):
+        with pytest.raises(ProtocolError):
+            oa.apply_session_update(oa.SessionConfig(), {"input_audio_transcription": {"prompt": bad}})
+
+
 def test_session_update_beta_fields() -> None:
     new = oa.apply_session_update(oa.SessionConfig(), {"input_audio_format": "g711_ulaw",
                                                        "output_audio_format": "pcm16", "voice": "alloy",

@@ -351,6 +351,35 @@ def test_client_commit_mode_without_server_vad(live, speech16) -> None:  # noqa:
     asyncio.run(run())
 
 
+def test_transcription_prompt_reaches_the_decodes(live, speech16) -> None:  # noqa: ANN001
+    """A session.update's transcription prompt goes before the user's speech in the ASR's decodes
+    (the running stream's next decode): in a style of its own (lower case, no punctuation), the
+    turn's transcript takes that style."""
+    speech = resample(speech16, 16000, 24000)
+    prompt = "hello my name is bob and i like writing without capitals or punctuation"
+
+    async def run() -> str:
+        async with websockets.connect(f"{live.ws}/v1/realtime") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+                "turn_detection": None, "transcription": {"model": "whisper-1", "prompt": prompt}}}}}))
+            upd = json.loads(await ws.recv())
+            assert upd["session"]["audio"]["input"]["transcription"]["prompt"] == prompt, upd
+            pcm = pack_pcm(np.concatenate([speech, np.zeros(12000, np.float32)]), "pcm_s16le")
+            for i in range(0, len(pcm), 48000):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(pcm[i:i + 48000]).decode()}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            while True:
+                ev = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                assert ev["type"] != "error", ev
+                if ev["type"] == "conversation.item.input_audio_transcription.completed":
+                    return ev["transcript"]
+
+    transcript = asyncio.run(run())
+    assert "turned sharply" in transcript and transcript == transcript.lower() and "." not in transcript, transcript
+
+
 def test_history_is_bounded_and_truncation_cuts_at_words() -> None:
     from realtime.agent import History, _cut_words, _Response
 
