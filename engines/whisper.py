@@ -747,10 +747,12 @@ class Whisper:
         return self.tokenizer.decode([int(i) for i in ids if int(i) < self.tokens.eot],
                                      skip_special_tokens=False)
 
-    def transcribe(self, audio, language: str | None = None, prompt: str | None = None) -> str:
+    def transcribe(self, audio, language: str | None = None, prompt: str | None = None,
+                   task: str = "transcribe") -> str:
         """Mono 16 kHz float audio (numpy or tensor) -> text. Longer audio goes in 30 s windows.
         ``prompt``: text before the speech, given to the first window (faster-whisper's
-        ``initial_prompt`` without conditioning on the previous window)."""
+        ``initial_prompt`` without conditioning on the previous window). ``task``: or "translate"
+        (a multilingual model: English text)."""
         x = torch.as_tensor(np.asarray(audio, dtype=np.float32) if not torch.is_tensor(audio) else audio)
         x = x.reshape(-1).float()
         n = self.mel.cfg.n_samples
@@ -759,6 +761,7 @@ class Whisper:
         prev = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False).ids if prompt else None
         for k, w in enumerate(windows):
             mel = self.log_mel(w[None])
-            ids = self.decode_greedy(self.encode(mel), language=language, prompt_ids=prev if k == 0 else None)[0]
+            ids = self.decode_greedy(self.encode(mel), language=language, task=task,
+                                     prompt_ids=prev if k == 0 else None)[0]
             texts.append(self.decode_text(ids).strip())
         return " ".join(s for s in texts if s)

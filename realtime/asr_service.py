@@ -608,8 +608,10 @@ class ASRService(Service):
 
     def describe(self) -> list[dict[str, Any]]:
         name = self.whisper.name if self.whisper is not None else (self.config.asr_model or "tiny.en")
+        multilingual = self.whisper is not None and self.whisper.is_multilingual
         return [{"id": name, "object": "model", "kind": "asr", "sample_rate": RATE,
-                 "languages": list(self.languages)}]
+                 "languages": list(self.languages),
+                 "tasks": ["transcribe", "translate"] if multilingual else ["transcribe"]}]
 
     # ---- jobs ----
     def new_job(self, params: ASRParams, live: bool = True, session: str = "",
@@ -856,6 +858,8 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="with --local: a Whisper folder (default: embedded tiny.en)")
     p.add_argument("--language", default=None)
     p.add_argument("--prompt", default=None, help="text before the speech (names, spellings, a style)")
+    p.add_argument("--translate", action="store_true", help="English text from speech in another language "
+                   "(a multilingual model)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--device", default="cpu", help="with --local: cpu, cuda:0")
     p.add_argument("--exact", action="store_true", help="with --local on a CPU: float32 throughout (else bf16 "
@@ -879,7 +883,12 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         w = Whisper.from_pretrained(args.model, device=args.device, cpu_native=not args.exact)
-        text = w.transcribe(audio, language=args.language, prompt=args.prompt)
+        if args.translate and not w.is_multilingual:
+            print("realtime transcribe: --translate needs a multilingual model (--model DIR); tiny.en is English-only",
+                  file=sys.stderr)
+            return 2
+        text = w.transcribe(audio, language=args.language, prompt=args.prompt,
+                            task="translate" if args.translate else "transcribe")
         if args.format == "text":
             print(text)
         elif args.format == "words":
@@ -894,7 +903,8 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
     try:
         finals, stats = asyncio.run(stream_file(args.url, audio, language=args.language,
                                                 api_key=args.api_key or os.environ.get("REALTIME_API_KEY"),
-                                                words=args.format == "words", prompt=args.prompt))
+                                                words=args.format == "words", prompt=args.prompt,
+                                                task="translate" if args.translate else None))
     except (OSError, RuntimeError) as exc:
         print(f"realtime transcribe: {exc}", file=sys.stderr)
         return 1
@@ -913,10 +923,10 @@ def _transcribe_cli(args: argparse.Namespace) -> int:
 
 async def stream_file(url: str, audio: np.ndarray, language: str | None = None, api_key: str | None = None,
                       chunk_s: float = 0.5, pace: float | None = None, words: bool = False,
-                      prompt: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                      prompt: str | None = None, task: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Stream 16 kHz float audio to /v1/asr (as fast as the server reads, or at ``pace`` x real time)
     and return the finals and the done stats (``words``: the finals carry their words' times;
-    ``prompt``: the start's). Raises RuntimeError on a server error."""
+    ``prompt``, ``task``: the start's). Raises RuntimeError on a server error."""
     import msgpack
     import websockets
 
@@ -931,6 +941,8 @@ async def stream_file(url: str, audio: np.ndarray, language: str | None = None, 
             start["words"] = True
         if prompt:
             start["prompt"] = prompt
+        if task:
+            start["task"] = task
         await ws.send(msgpack.packb(start))
         ready = msgpack.unpackb(await ws.recv())
         if ready.get("type") != "ready":

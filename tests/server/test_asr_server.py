@@ -482,7 +482,7 @@ async def test_transcriptions_endpoint(live, arctic) -> None:  # noqa: ANN001
         lang = await c.post(url, files={"file": ("a.wav", wav)}, data={"language": "fr"})
         assert lang.status_code == 400 and lang.json()["error"]["code"] == "unsupported"
         models = (await c.get(f"{live.http}/v1/models")).json()["data"]
-        assert any(d["kind"] == "asr" and d["id"] == "tiny.en" for d in models)
+        assert any(d["kind"] == "asr" and d["id"] == "tiny.en" and d["tasks"] == ["transcribe"] for d in models)
 
 
 async def test_transcriptions_word_timestamps(live, arctic, monkeypatch) -> None:  # noqa: ANN001

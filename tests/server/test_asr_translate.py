@@ -5,8 +5,11 @@ embedded tiny.en is English-only and refuses to translate."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import shutil
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -79,13 +82,29 @@ async def test_translations_endpoint_decodes_with_the_translate_task(multi) -> N
     assert t.json()["text"] == _decode(w, x, "transcribe") != body["text"]
 
 
-async def test_socket_task_translate(multi) -> None:  # noqa: ANN001
-    """``task: translate`` in /v1/asr's start: the final is the translation the HTTP endpoint gives."""
+async def test_socket_task_translate(multi, tmp_path) -> None:  # noqa: ANN001
+    """``task: translate`` in /v1/asr's start (and ``realtime transcribe --translate``, which sends
+    it): the final is the translation the HTTP endpoint gives. /v1/models lists both tasks."""
     res = await stream(f"{multi.ws}/v1/asr", _speech(), pace=None, interim=False, task="translate")
     (final,) = res.of("final")
     async with httpx.AsyncClient(base_url=multi.http, timeout=120) as c:
         r = await c.post("/v1/audio/translations", files={"file": ("a.wav", _wav(_speech()))})
+        models = (await c.get("/v1/models")).json()["data"]
     assert r.status_code == 200 and final["text"] == r.json()["text"], (final, r.text)
+    assert [d["tasks"] for d in models if d["kind"] == "asr"] == [["transcribe", "translate"]]
+    path = tmp_path / "speech.wav"
+    path.write_bytes(_wav(_speech()))
+    cli = await asyncio.create_subprocess_exec(sys.executable, "-m", "realtime.cli", "transcribe", str(path), "--url",
+                                               f"{multi.ws}/v1/asr", "--translate", stdout=asyncio.subprocess.PIPE,
+                                               stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(cli.communicate(), 120)
+    assert cli.returncode == 0 and out.decode().strip() == final["text"], err.decode()[-2000:]
+
+
+def test_cli_local_translate_needs_a_multilingual_model() -> None:
+    r = subprocess.run([sys.executable, "-m", "realtime.cli", "transcribe", ASSET, "--local", "--translate"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "multilingual" in r.stderr and "Traceback" not in r.stderr
 
 
 async def test_english_only_model_refuses_to_translate(piper_backend) -> None:  # noqa: ANN001
