@@ -934,15 +934,9 @@ async def stream_file(url: str, audio: np.ndarray, language: str | None = None, 
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with websockets.connect(url, additional_headers=headers, max_size=1 << 22) as ws:
-        start = {"type": "start", "sample_rate": RATE, "format": "pcm_s16le", "interim": False}
-        if language:
-            start["language"] = language
-        if words:
-            start["words"] = True
-        if prompt:
-            start["prompt"] = prompt
-        if task:
-            start["task"] = task
+        asked = {"language": language, "words": words, "prompt": prompt, "task": task}
+        start = {"type": "start", "sample_rate": RATE, "format": "pcm_s16le", "interim": False,
+                 **{k: v for k, v in asked.items() if v}}
         await ws.send(msgpack.packb(start))
         ready = msgpack.unpackb(await ws.recv())
         if ready.get("type") != "ready":

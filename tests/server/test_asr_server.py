@@ -100,15 +100,9 @@ async def stream(url: str, audio: np.ndarray, rate: int = 16000, fmt: str = "pcm
         return msgpack.packb(msg)
 
     async with websockets.connect(url, max_size=1 << 22) as ws:
-        start = {"type": "start", "sample_rate": rate, "format": fmt, "interim": interim}
-        if preview:
-            start["preview"] = True
-        if words:
-            start["words"] = True
-        if task:
-            start["task"] = task
-        if prompt:
-            start["prompt"] = prompt
+        asked = {"preview": preview, "words": words, "task": task, "prompt": prompt}
+        start = {"type": "start", "sample_rate": rate, "format": fmt, "interim": interim,
+                 **{k: v for k, v in asked.items() if v}}
         await ws.send(enc(start))
         ready = await ws.recv()
         ready = json.loads(ready) if isinstance(ready, str) else msgpack.unpackb(ready)
