@@ -117,6 +117,8 @@ async def test_english_only_model_refuses_to_translate(piper_backend) -> None:  
         assert res.of("error") and "English-only" in res.of("error")[0]["message"], res.messages
 
 
+# (the SDK marks audio.translations deprecated; it still sends the request, and servers still take it)
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")
 def test_openai_sdk_translations_and_word_timestamps(multi, tmp_path) -> None:  # noqa: ANN001
     """The official ``openai`` SDK against the served endpoints: translations (text, and
     verbose_json's task), and transcriptions with word timestamps (its ``words``)."""
