@@ -35,7 +35,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -645,7 +645,7 @@ class ASRService(Service):
     async def _audio_file(self, st: "AppState", request: Any, task: str) -> Any:
         """OpenAI's /v1/audio/transcriptions (``task`` transcribe) and /v1/audio/translations
         (translate: English text, from a multilingual model; no word timestamps)."""
-        from starlette.responses import JSONResponse, PlainTextResponse
+        from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
         from realtime.server import authorized, http_error
         from realtime.errors import AuthError
@@ -681,6 +681,12 @@ class ASRService(Service):
                                        f"(not '{fmt}'), as in OpenAI's API")
             if "word" in grains and task == "translate":
                 raise UnsupportedError("translations have no word timestamps (the words are not the audio's)")
+            stream = str(form.get("stream") or "false").lower()
+            if stream not in ("true", "false"):
+                raise ProtocolError("'stream' must be true or false", code="bad_field")
+            if stream == "true" and (fmt not in ("json", "text") or grains):
+                raise UnsupportedError("a streamed transcript is text: response_format json or text, "
+                                       "no timestamp granularities")
             lang = form.get("language")
             params = parse_start({"type": "start", "language": lang or None, "task": task,
                                   "prompt": form.get("prompt") or None}, self.languages)
@@ -698,17 +704,9 @@ class ASRService(Service):
             self.submit(st.scheduler, job)
         except RealtimeError as exc:
             return http_error(exc, 503)
-        finals: list[dict[str, Any]] = []
-        try:
-            while True:
-                items = await job.output.drain(st.scheduler.wake)
-                if any(i is END for i in items) or not job.active:
-                    finals += [i for i in items if isinstance(i, dict) and i["type"] == "final"]
-                    break
-                finals += [i for i in items if isinstance(i, dict) and i["type"] == "final"]
-        finally:
-            if job.active:
-                st.scheduler.cancel(job)
+        if stream == "true":
+            return StreamingResponse(self._transcript_events(st, job), media_type="text/event-stream")
+        finals = [f async for f in self._finals(st, job)]
         if job.state is JobState.FAILED:
             err = job.error if isinstance(job.error, RealtimeError) else InternalError("transcription failed")
             return http_error(err, 500 if isinstance(err, InternalError) else 400)
@@ -731,6 +729,43 @@ class ASRService(Service):
             body["words"] = [{"word": x["word"], "start": x["start_ms"] / 1000, "end": x["end_ms"] / 1000}
                              for f in finals for x in f["words"]]
         return JSONResponse(body)
+
+
+    @staticmethod
+    async def _finals(st: "AppState", job: ASRJob) -> AsyncIterator[dict[str, Any]]:
+        """A file job's finals as they come, until it ends; a consumer that stops early (a client
+        gone) cancels the job."""
+        try:
+            while True:
+                items = await job.output.drain(st.scheduler.wake)
+                ended = not job.active
+                if ended:  # (it ended after that take: all it put before, END included, is there now)
+                    items += job.output.take()
+                for item in items:
+                    if isinstance(item, dict) and item["type"] == "final":
+                        yield item
+                if ended or any(i is END for i in items):
+                    return
+        finally:
+            if job.active:
+                st.scheduler.cancel(job)
+
+    async def _transcript_events(self, st: "AppState", job: ASRJob) -> AsyncIterator[bytes]:
+        """``stream=true``: OpenAI's streamed transcript as server-sent events, a
+        ``transcript.text.delta`` a final (as each utterance ends), then ``transcript.text.done``
+        with the whole text, or an ``error`` event where the job failed."""
+        from realtime.protocol.text import sse
+
+        texts: list[str] = []
+        async for f in self._finals(st, job):
+            yield sse({"type": "transcript.text.delta", "delta": (" " if texts else "") + f["text"]})
+            texts.append(f["text"])
+        if job.state is JobState.FAILED:
+            err = job.error if isinstance(job.error, RealtimeError) else InternalError("transcription failed")
+            kind = "server_error" if isinstance(err, InternalError) else "invalid_request_error"
+            yield sse({"type": "error", "error": {"message": err.message, "type": kind, "code": err.code}})
+            return
+        yield sse({"type": "transcript.text.done", "text": " ".join(texts)})
 
 
 TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")

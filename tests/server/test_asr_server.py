@@ -556,6 +556,58 @@ async def test_words_over_the_socket(live, arctic) -> None:  # noqa: ANN001
     assert all(t % 10 == 0 for t in times)
 
 
+def test_streamed_transcript_with_the_openai_sdk(live, arctic) -> None:  # noqa: ANN001
+    """``stream=true``: a transcript.text.delta event as each utterance ends, then
+    transcript.text.done with the whole text, which is the unstreamed reply's; read by the official
+    SDK. Streaming takes no timestamps."""
+    from openai import BadRequestError, OpenAI
+
+    two = np.concatenate([speech(arctic, 0.2, 1.5), speech(arctic, 0.0, 0.3)])  # two utterances
+    client = OpenAI(base_url=f"{live.http}/v1", api_key="unused-on-loopback")
+    wav = _wav(two, 16000)
+    events = list(client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["transcript.text.delta"] * 2 + ["transcript.text.done"], kinds
+    done = events[-1].text
+    assert "".join(e.delta for e in events[:-1]) == done
+    assert done == client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav)).text
+    assert norm(done) == norm(ARCTIC + " " + ARCTIC)
+    with pytest.raises(BadRequestError, match="streamed"):
+        client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), stream=True,
+                                           response_format="verbose_json")
+
+
+async def test_file_finals_put_as_the_job_ends_are_not_lost() -> None:
+    """The race a file request had: its consumer took the first final, the worker then put the
+    last final and END and finished the job, and the consumer, seeing the job ended, stopped
+    without the last final. Here the job finishes exactly between the take and that check."""
+    from types import SimpleNamespace
+
+    from realtime.asr_service import END as ASR_END
+    from realtime.scheduler import OutputChannel
+
+    out = OutputChannel()
+    wake = asyncio.Event()
+    out.bind(asyncio.get_running_loop(), wake)
+
+    class Job:  # the worker's side at the moment it matters: one final out, then the rest and END
+        def __init__(self) -> None:
+            self.output, self.checks = out, 0
+
+        @property
+        def active(self) -> bool:  # (the first look after the first take: the job ends just now)
+            self.checks += 1
+            if self.checks == 1:
+                out.put({"type": "final", "text": "two"})
+                out.put(ASR_END)
+            return False
+
+    st = SimpleNamespace(scheduler=SimpleNamespace(wake=lambda: None, cancel=lambda job: None))
+    out.put({"type": "final", "text": "one"})
+    got = [f["text"] async for f in ASRService._finals(st, Job())]
+    assert got == ["one", "two"]
+
+
 async def test_prompt_goes_before_the_decodes(live, arctic) -> None:  # noqa: ANN001
     """A prompt (the form's field, the start's over the socket) conditions the decodes: in a style
     of its own (lower case, no punctuation), the transcript takes that style, the same both ways."""
