@@ -80,6 +80,7 @@ class AgentConfig:
     silence_duration_ms: int = 500  # end-of-turn silence; values above the ASR VAD's add a wait
     interim_transcripts: bool = False  # ASR partials as transcript deltas (costs decodes)
     asr_prompt: str | None = None  # text before the user's speech in every decode (ASRParams.prompt)
+    asr_language: str | None = None  # the user's language (ASRParams.language; None: the model's choice)
     # Start the reply when silence begins, on the ASR's decode made then (the likely final), and
     # hold it until the VAD ends the turn with that transcript; dropped unheard if the user goes
     # on or the final differs. Saves the LLM's first segment + TTS from the turn latency.
@@ -364,8 +365,8 @@ class AgentSession:
 
         # preview: final_preview / speech_resumed, for preemptive replies
         job = self.asr.new_job(ASRParams(sample_rate=ASR_RATE, format="pcm_f32le", preview=True,
-                                         interim=self.cfg.interim_transcripts, prompt=self.cfg.asr_prompt),
-                               live=True, session=self.id)
+                                         interim=self.cfg.interim_transcripts, prompt=self.cfg.asr_prompt,
+                                         language=self.cfg.asr_language), live=True, session=self.id)
         if self.metrics is not None:
             job.on_final = self.metrics.asr_final.observe
         wake = asyncio.Event()
@@ -394,9 +395,10 @@ class AgentSession:
             self._resampler = StreamResampler(self.cfg.in_rate, ASR_RATE)
         self.history.max_messages = self.cfg.max_history_messages
         self.history.max_chars = self.cfg.max_history_chars
-        if self.cfg.asr_prompt != old.asr_prompt and self._asr_job is not None:
-            # (the decode lane reads it at each decode: the next one takes it)
-            self._asr_job.params = replace(self._asr_job.params, prompt=self.cfg.asr_prompt)
+        asr = (self.cfg.asr_prompt, self.cfg.asr_language)
+        if asr != (old.asr_prompt, old.asr_language) and self._asr_job is not None:
+            # (the decode lane reads them at each decode: the next one takes them)
+            self._asr_job.params = replace(self._asr_job.params, prompt=asr[0], language=asr[1])
 
     def emit(self, ev: AgentEvent) -> None:
         self._events.put_nowait(ev)

@@ -184,6 +184,7 @@ class OpenAIRealtimeSession(_AgentBridge):
             interrupt_response=td.interrupt_response if td else False,
             silence_duration_ms=td.silence_duration_ms if td else 500,
             interim_transcripts=self.base.interim_transcripts, asr_prompt=c.transcription_prompt,
+            asr_language=c.transcription_language,
             preemptive=self.base.preemptive,
             max_history_messages=self.base.max_history_messages, max_history_chars=self.base.max_history_chars)
 
@@ -242,7 +243,8 @@ class OpenAIRealtimeSession(_AgentBridge):
             while agent.asr_backlog():  # back-pressure: stop reading while the ASR is behind
                 await asyncio.sleep(0.01)
         elif isinstance(ev, oa.SessionUpdate):
-            new = oa.apply_session_update(self.cfg, ev.session, voice_locked=self.spoken)
+            new = oa.apply_session_update(self.cfg, ev.session, voice_locked=self.spoken,
+                                          languages=agent.asr.languages)
             _voice(self.app.tts, new.voice)
             self.cfg = new
             a = self._agent_config()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -79,6 +80,7 @@ class SessionConfig:
     max_output_tokens: int | None = None
     transcription_model: str | None = "whisper"
     transcription_prompt: str | None = None  # text before the user's speech in every decode (names, spellings)
+    transcription_language: str | None = None  # the user's language (None: the model's default or detection)
 
     @property
     def input_codec(self) -> tuple[str, int]:
@@ -102,12 +104,27 @@ def session_object(cfg: SessionConfig, session_id: str, voice_default: str) -> d
         "tools": [], "tool_choice": "none",
         "audio": {
             "input": {"format": _fmt_wire(cfg.input_format), "noise_reduction": None,
-                      "transcription": ({"model": cfg.transcription_model, "prompt": cfg.transcription_prompt or ""}
+                      "transcription": ({"model": cfg.transcription_model, "prompt": cfg.transcription_prompt or "",
+                                         "language": cfg.transcription_language}
                                         if cfg.transcription_model is not None else None),
                       "turn_detection": cfg.turn_detection.to_wire() if cfg.turn_detection else None},
             "output": {"format": _fmt_wire(cfg.output_format), "voice": cfg.voice or voice_default, "speed": 1.0},
         },
     }
+
+
+def _language(value: Any, languages: Collection[str] | None) -> str | None:
+    """transcription.language: a code the model takes (``languages``), or absent / blank: none."""
+    if value is None or value == "":
+        return None
+    param = "session.audio.input.transcription.language"
+    if not isinstance(value, str):
+        raise _bad("'language' must be a string", "invalid_type", param)
+    code = value.strip().lower()
+    if languages is not None and code not in languages:
+        raise UnsupportedError(f"transcription language '{code[:12]}' is not supported by this model; use "
+                               f"{', '.join(sorted(languages)[:12])}")
+    return code
 
 
 def _prompt(value: Any) -> str | None:
@@ -202,8 +219,10 @@ def _voice(value: Any, param: str) -> str | None:
     return value
 
 
-def apply_session_update(cfg: SessionConfig, session: Any, *, voice_locked: bool = False) -> SessionConfig:
-    """``session.update``'s ``session`` object applied to ``cfg`` (fields absent: unchanged)."""
+def apply_session_update(cfg: SessionConfig, session: Any, *, voice_locked: bool = False,
+                         languages: Collection[str] | None = None) -> SessionConfig:
+    """``session.update``'s ``session`` object applied to ``cfg`` (fields absent: unchanged).
+    ``languages``: the codes the transcription model takes (None: any)."""
     if not isinstance(session, dict):
         raise _bad("'session' must be an object", "invalid_type", "session")
     kind = session.get("type", "realtime")
@@ -257,7 +276,8 @@ def apply_session_update(cfg: SessionConfig, session: Any, *, voice_locked: bool
         if tr is not None and not isinstance(tr, dict):
             raise _bad("'transcription' must be an object or null", "invalid_type", "session.audio.input.transcription")
         out = replace(out, transcription_model=None if tr is None else str(tr.get("model") or "whisper")[:64],
-                      transcription_prompt=None if tr is None else _prompt(tr.get("prompt")))
+                      transcription_prompt=None if tr is None else _prompt(tr.get("prompt")),
+                      transcription_language=None if tr is None else _language(tr.get("language"), languages))
     return out
 
 

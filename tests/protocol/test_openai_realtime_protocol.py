@@ -105,8 +105,8 @@ def test_transcription_prompt() -> None:
     new = oa.apply_session_update(oa.SessionConfig(), {"audio": {"input": {"transcription": {
         "model": "whisper-1", "prompt": " Gregson, Holmes "}}}})
     assert new.transcription_model == "whisper-1" and new.transcription_prompt == "Gregson, Holmes"
-    assert oa.session_object(new, "s", "v")["audio"]["input"]["transcription"] == {"model": "whisper-1",
-                                                                                   "prompt": "Gregson, Holmes"}
+    assert oa.session_object(new, "s", "v")["audio"]["input"]["transcription"] == {
+        "model": "whisper-1", "prompt": "Gregson, Holmes", "language": None}
     beta = oa.apply_session_update(oa.SessionConfig(), {"input_audio_transcription": {"prompt": "Lestrade"}})
     assert beta.transcription_prompt == "Lestrade"
     off = oa.apply_session_update(new, {"audio": {"input": {"transcription": None}}})
@@ -114,6 +114,19 @@ def test_transcription_prompt() -> None:
     for bad in (5, "x" * 2001):
         with pytest.raises(ProtocolError):
             oa.apply_session_update(oa.SessionConfig(), {"input_audio_transcription": {"prompt": bad}})
+
+
+def test_transcription_language_is_one_the_model_takes() -> None:
+    new = oa.apply_session_update(oa.SessionConfig(), {"input_audio_transcription": {"language": "EN"}},
+                                  languages=("en",))
+    assert new.transcription_language == "en"
+    assert oa.session_object(new, "s", "v")["audio"]["input"]["transcription"]["language"] == "en"
+    assert oa.apply_session_update(new, {"input_audio_transcription": {"language": ""}}).transcription_language is None
+    with pytest.raises(UnsupportedError, match="'fr'"):
+        oa.apply_session_update(oa.SessionConfig(), {"input_audio_transcription": {"language": "fr"}},
+                                languages=("en",))
+    with pytest.raises(ProtocolError):
+        oa.apply_session_update(oa.SessionConfig(), {"input_audio_transcription": {"language": 7}})
 
 
 def test_session_update_beta_fields() -> None:

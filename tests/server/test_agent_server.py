@@ -222,6 +222,10 @@ def test_unsupported_events_get_error_events_and_the_session_goes_on(live) -> No
                 "type": "realtime", "audio": {"input": {"format": {"type": "audio/opus"}}}}}), "unsupported")
             await expect_error(json.dumps({"type": "session.update", "session": {
                 "type": "realtime", "audio": {"output": {"voice": "nobody"}}}}), "unsupported")
+            # tiny.en hears English only: another transcription language is refused, not ignored
+            ev = await expect_error(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {
+                "input": {"transcription": {"model": "whisper-1", "language": "fr"}}}}}), "unsupported")
+            assert "'fr'" in ev["error"]["message"] and "en" in ev["error"]["message"], ev
             await expect_error(json.dumps({"type": "conversation.item.truncate", "item_id": "item_nope",
                                            "content_index": 0, "audio_end_ms": 10}), "item_not_found")
             await expect_error(json.dumps({"type": "conversation.item.delete", "item_id": "item_nope"}), "item_not_found")
@@ -365,6 +369,10 @@ def test_transcription_prompt_reaches_the_decodes(live, speech16) -> None:  # no
                 "turn_detection": None, "transcription": {"model": "whisper-1", "prompt": prompt}}}}}))
             upd = json.loads(await ws.recv())
             assert upd["session"]["audio"]["input"]["transcription"]["prompt"] == prompt, upd
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+                "transcription": {"model": "whisper-1", "prompt": prompt, "language": "EN"}}}}}))
+            upd = json.loads(await ws.recv())
+            assert upd["session"]["audio"]["input"]["transcription"]["language"] == "en", upd
             pcm = pack_pcm(np.concatenate([speech, np.zeros(12000, np.float32)]), "pcm_s16le")
             for i in range(0, len(pcm), 48000):
                 await ws.send(json.dumps({"type": "input_audio_buffer.append",
